@@ -1,0 +1,201 @@
+"""Where compiled work lives on disk: serialized executables, the XLA cache, a manifest.
+
+Layout of a cache directory (``compiled_cache/`` by default)::
+
+    xla/                      XLA persistent compilation cache (jax manages it)
+    executables/<key>.bin     jax.experimental.serialize_executable payload
+    executables/<key>.json    what the key was made of, size and sha256 of the payload
+    manifest.json             one row per (model, cell): versions, flags, seconds, hit/miss
+
+The key hashes everything that could make a stored executable wrong for this process:
+model name and config hash, the cell, the function variant, the abstract shapes of
+every argument, jax/jaxlib versions, the backend and device kind, ``XLA_FLAGS`` and
+the jax config flags that change lowering. Change any of them and the key changes, so
+a stale entry can never load; it is simply a miss.
+
+A payload whose size or sha256 does not match its sidecar is reported, deleted and
+rebuilt; a payload that fails to deserialize is treated the same way. The cache holds
+native code that this process will run: it is *trusted code*. Directories are created
+owner-only (0700) and files 0600; never point the server at a cache someone else can
+write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jaxlib
+
+log = logging.getLogger("jaxserve.cache")
+
+_LOWERING_FLAGS = (
+    "jax_enable_x64",
+    "jax_default_matmul_precision",
+    "jax_numpy_rank_promotion",
+    "jax_threefry_partitionable",
+)
+
+
+def environment_fingerprint() -> dict[str, str]:
+    """What besides the program decides the compiled code: versions, backend, flags."""
+    device = jax.devices()[0]
+    fp = {
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "platform": device.platform,
+        "device_kind": device.device_kind,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+    for flag in _LOWERING_FLAGS:
+        fp[flag] = str(getattr(jax.config, flag, None))
+    return fp
+
+
+def entry_key(parts: dict[str, Any]) -> str:
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class ManifestRow:
+    model: str
+    config_hash: str
+    cell: str
+    key: str
+    jax: str
+    jaxlib: str
+    xla_flags: str
+    compile_seconds: float
+    source: str  # "serialized" (fast path), "compiled" (miss), or "rebuilt" (corrupt entry replaced)
+
+
+_compile_counter = {"backend_compiles": 0, "seconds": 0.0}
+_listener_installed = False
+
+
+def install_compile_counter() -> None:
+    """Count every XLA backend compile in this process (ours or anyone's).
+
+    The serving path must never compile; the engine exposes this count in metrics and
+    the tests assert it does not move after warmup.
+    """
+    global _listener_installed
+    if _listener_installed:
+        return
+
+    def on_duration(event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            _compile_counter["backend_compiles"] += 1
+            _compile_counter["seconds"] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    _listener_installed = True
+
+
+def compile_count() -> int:
+    install_compile_counter()
+    return _compile_counter["backend_compiles"]
+
+
+def _owner_only_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+    return path
+
+
+def _write_owner_only(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)  # atomic: a crash mid-write never leaves a half entry under the real name
+
+
+class CompileCache:
+    """Serialized executables keyed by :func:`entry_key`, plus the XLA persistent cache."""
+
+    def __init__(self, root: str | Path, use_xla_cache: bool = True):
+        self.root = _owner_only_dir(Path(root))
+        self.exe_dir = _owner_only_dir(self.root / "executables")
+        self.events: list[str] = []  # human-readable reports of corrupt entries
+        if use_xla_cache:
+            enable_xla_cache(self.root / "xla")
+
+    def _paths(self, key: str) -> tuple[Path, Path]:
+        return self.exe_dir / f"{key}.bin", self.exe_dir / f"{key}.json"
+
+    def load(self, key: str, in_tree, out_tree):
+        """The executable stored under ``key``, or None on a miss or a corrupt entry."""
+        from jax.experimental import serialize_executable
+
+        payload_path, meta_path = self._paths(key)
+        if not payload_path.exists() or not meta_path.exists():
+            return None
+        try:
+            meta = json.loads(meta_path.read_text())
+            payload = payload_path.read_bytes()
+            if len(payload) != meta["size"] or hashlib.sha256(payload).hexdigest() != meta["sha256"]:
+                raise ValueError(
+                    f"checksum mismatch ({len(payload)} bytes, expected {meta['size']})"
+                )
+            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as exc:  # corrupt, truncated, or from an incompatible build
+            msg = f"discarding corrupt cache entry {key}: {exc}"
+            log.warning(msg)
+            self.events.append(msg)
+            self.discard(key)
+            return None
+
+    def store(self, key: str, compiled, description: dict[str, Any]) -> None:
+        from jax.experimental import serialize_executable
+
+        payload, _, _ = serialize_executable.serialize(compiled)
+        payload_path, meta_path = self._paths(key)
+        meta = dict(description, size=len(payload), sha256=hashlib.sha256(payload).hexdigest())
+        _write_owner_only(payload_path, payload)
+        _write_owner_only(meta_path, json.dumps(meta, indent=1, default=str).encode())
+
+    def discard(self, key: str) -> None:
+        for p in self._paths(key):
+            p.unlink(missing_ok=True)
+
+    def write_manifest(self, rows: list[ManifestRow]) -> Path:
+        """Merge ``rows`` into manifest.json (keyed by entry key; newest row wins)."""
+        path = self.root / "manifest.json"
+        existing: dict[str, dict] = {}
+        if path.exists():
+            try:
+                existing = {r["key"]: r for r in json.loads(path.read_text())["entries"]}
+            except (ValueError, KeyError):
+                existing = {}
+        for row in rows:
+            existing[row.key] = asdict(row)
+        body = {"updated": time.strftime("%Y-%m-%dT%H:%M:%S"), "entries": list(existing.values())}
+        _write_owner_only(path, json.dumps(body, indent=1).encode())
+        return path
+
+
+def enable_xla_cache(path: str | Path) -> None:
+    """Turn on jax's persistent cache for *every* program, however small or fast to compile.
+
+    jax's defaults skip programs that compile in under a second or are tiny, which is
+    exactly what our polymorph cells are on a small model.
+    """
+    path = _owner_only_dir(Path(path))
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0

@@ -1,0 +1,32 @@
+"""WordPiece tokenization from an HF ``tokenizer.json`` (the ``tokenizers`` library).
+
+The packaged tokenizer.json pads and truncates to 128 by default; both are turned off
+here because the polymorph buckets decide the padded length, and a too-long input is
+the caller's decision (reject, or truncate explicitly), never a silent cut.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from tokenizers import Tokenizer
+
+
+class TextTokenizer:
+    def __init__(self, tokenizer_json: str | Path):
+        self._tok = Tokenizer.from_file(str(tokenizer_json))
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        self.sep_id = self._tok.token_to_id("[SEP]")
+        self.cls_id = self._tok.token_to_id("[CLS]")
+        self.pad_id = self._tok.token_to_id("[PAD]") or 0
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts))]
+
+    def truncate(self, ids: Sequence[int], max_tokens: int) -> list[int]:
+        """Keep the first ``max_tokens - 1`` tokens and close with [SEP], as HF truncation does."""
+        if len(ids) <= max_tokens:
+            return list(ids)
+        return list(ids[: max_tokens - 1]) + [self.sep_id]

@@ -1,0 +1,209 @@
+"""The polymorph table: one ahead-of-time compiled executable per cell of a shape grid.
+
+A :class:`Servable` declares, as data, what a model serves: its grid of cells
+(:class:`~jaxserve.sched.base.ShapeGrid`), the pure function each cell compiles and the
+abstract shapes of its arguments. :class:`PolymorphTable` compiles (or loads) every
+cell at warmup and afterwards only looks cells up: asking for a cell that was not
+warmed is an error, never a compile, so nothing compiles at request time.
+
+Padding into a cell and slicing out of it live here and only here. The cell for an
+input comes from :meth:`ShapeGrid.cell_for` — the one bucketing rule that warmup,
+serving and every policy share.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from jaxserve.compile_cache import (
+    CompileCache,
+    ManifestRow,
+    entry_key,
+    environment_fingerprint,
+    install_compile_counter,
+)
+from jaxserve.sched.base import Cell, ShapeGrid
+
+log = logging.getLogger("jaxserve.polymorph")
+
+
+class NotWarmError(KeyError):
+    """A cell was asked for that warmup did not compile; serving never compiles."""
+
+
+@dataclass(frozen=True)
+class Servable:
+    """What a model serves, declared as data.
+
+    ``fn_for(cell)`` returns the pure function compiled for ``cell``: its first
+    argument is the weights pytree, the rest are the cell's inputs, whose abstract
+    shapes ``input_specs(cell)`` gives. ``variant_of(cell)`` names the static settings
+    baked into that function (e.g. the OTAS gamma), so the cache keys them too.
+    """
+
+    name: str
+    kind: str  # "text" or "image"
+    config_hash: str
+    grid: ShapeGrid
+    abstract_state: Any
+    fn_for: Callable[[Cell], Callable]
+    input_specs: Callable[[Cell], tuple[jax.ShapeDtypeStruct, ...]]
+    variant_of: Callable[[Cell], str] = lambda cell: ""
+
+    def abstract_args(self, cell: Cell) -> tuple:
+        return (self.abstract_state, *self.input_specs(cell))
+
+
+@dataclass
+class CellStats:
+    source: str = ""
+    compile_seconds: float = 0.0
+
+
+class PolymorphTable:
+    """Compiled executables for every cell of one servable's grid."""
+
+    def __init__(self, servable: Servable, cache: CompileCache | None = None):
+        install_compile_counter()
+        self.servable = servable
+        self.cache = cache
+        self._executables: dict[Cell, Any] = {}
+        self.stats: dict[Cell, CellStats] = {}
+        self._out_trees: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ warmup
+    def _key(self, cell: Cell) -> tuple[str, dict]:
+        s = self.servable
+        args = s.abstract_args(cell)
+        avals = [(str(p), tuple(x.shape), str(x.dtype)) for p, x in jax.tree_util.tree_leaves_with_path(args)]
+        parts = {
+            "model": s.name,
+            "config": s.config_hash,
+            "cell": cell.label(),
+            "variant": s.variant_of(cell),
+            "avals": avals,
+            "env": environment_fingerprint(),
+        }
+        return entry_key(parts), parts
+
+    def _trees(self, cell: Cell):
+        """in/out pytree structures for deserialisation; the output structure depends only
+        on the function variant, so it is traced once per variant, not once per cell."""
+        s = self.servable
+        args = s.abstract_args(cell)
+        in_tree = jax.tree_util.tree_structure((args, {}))
+        variant = s.variant_of(cell)
+        if variant not in self._out_trees:
+            out = jax.eval_shape(s.fn_for(cell), *args)
+            self._out_trees[variant] = jax.tree_util.tree_structure(out)
+        return in_tree, self._out_trees[variant]
+
+    def warm_cell(self, cell: Cell) -> ManifestRow:
+        s = self.servable
+        key, parts = self._key(cell)
+        t0 = time.perf_counter()
+        compiled = None
+        source = "compiled"
+        if self.cache is not None:
+            n_events = len(self.cache.events)
+            compiled = self.cache.load(key, *self._trees(cell))
+            if compiled is not None:
+                source = "serialized"
+            elif len(self.cache.events) > n_events:
+                source = "rebuilt"
+        if compiled is None:
+            compiled = jax.jit(s.fn_for(cell)).lower(*s.abstract_args(cell)).compile()
+            if self.cache is not None:
+                self.cache.store(key, compiled, parts)
+        seconds = time.perf_counter() - t0
+        self._executables[cell] = compiled
+        self.stats[cell] = CellStats(source, seconds)
+        env = parts["env"]
+        return ManifestRow(
+            model=s.name, config_hash=s.config_hash, cell=cell.label(), key=key,
+            jax=env["jax"], jaxlib=env["jaxlib"], xla_flags=env["xla_flags"],
+            compile_seconds=round(seconds, 4), source=source,
+        )
+
+    def warmup(self, cells: Sequence[Cell] | None = None, progress: bool = False) -> list[ManifestRow]:
+        """Compile or load every cell (default: the whole grid); write the manifest."""
+        cells = list(cells if cells is not None else self.servable.grid.cells())
+        it = cells
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(cells, desc=f"warmup {self.servable.name}", unit="cell")
+        rows = []
+        for cell in it:
+            rows.append(self.warm_cell(cell))
+            if progress:
+                it.set_postfix_str(f"{cell.label()} {rows[-1].source} {rows[-1].compile_seconds:.2f}s")
+        if self.cache is not None:
+            self.cache.write_manifest(rows)
+        return rows
+
+    @property
+    def warm(self) -> bool:
+        return all(c in self._executables for c in self.servable.grid.cells())
+
+    # ----------------------------------------------------------------- serving
+    def executable(self, cell: Cell):
+        try:
+            return self._executables[cell]
+        except KeyError:
+            raise NotWarmError(f"{self.servable.name}: cell {cell.label()} was not compiled at warmup") from None
+
+    def run(self, cell: Cell, state, *inputs) -> dict[str, np.ndarray]:
+        """Run one executable; outputs come back as host numpy arrays (blocking)."""
+        out = self.executable(cell)(state, *inputs)
+        return jax.tree_util.tree_map(np.asarray, out)
+
+
+# ---------------------------------------------------------------- text padding
+
+def pad_token_batch(token_ids: Sequence[Sequence[int]], cell: Cell, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) of shape [cell.batch, cell.seq]; unused rows are all padding.
+
+    Raises if the inputs don't fit the cell: fitting is decided by ``cell_for``.
+    """
+    if len(token_ids) > cell.batch:
+        raise ValueError(f"{len(token_ids)} inputs do not fit batch {cell.batch}")
+    ids = np.full((cell.batch, cell.seq), pad_id, dtype=np.int32)
+    mask = np.zeros((cell.batch, cell.seq), dtype=np.int32)
+    for row, seq in enumerate(token_ids):
+        if len(seq) > cell.seq:
+            raise ValueError(f"input of {len(seq)} tokens does not fit bucket {cell.seq}")
+        ids[row, : len(seq)] = seq
+        mask[row, : len(seq)] = 1
+    return ids, mask
+
+
+def unpad_rows(outputs: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
+    """Drop the padding rows a cell's batch dimension added."""
+    return {k: v[:count] for k, v in outputs.items()}
+
+
+def pad_image_batch(images: np.ndarray, cell: Cell) -> np.ndarray:
+    """Images [n, H, W, C] zero-padded along the batch to ``cell.batch`` rows."""
+    n = images.shape[0]
+    if n > cell.batch:
+        raise ValueError(f"{n} images do not fit batch {cell.batch}")
+    if n == cell.batch:
+        return np.ascontiguousarray(images, dtype=np.float32)
+    out = np.zeros((cell.batch, *images.shape[1:]), dtype=np.float32)
+    out[:n] = images
+    return out
+
+
+@dataclass
+class RunResult:
+    outputs: dict[str, np.ndarray]
+    cell: Cell
+    compute_seconds: float
+    extras: dict = field(default_factory=dict)

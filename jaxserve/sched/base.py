@@ -1,0 +1,244 @@
+"""The contract between policies, the live engine and the simulator.
+
+A policy sees requests, a clock value and a cost model, and returns a :class:`Plan`.
+It never reads the wall clock, never imports JAX and never starts a thread: that is
+what lets the simulator drive the very same objects at 1000-instance scale, and what
+makes policies testable in microseconds (DESIGN.md, "jaxserve/sched/").
+
+Times are seconds on the caller's clock (``time.monotonic()`` in the engine, a
+virtual clock in the simulator).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Protocol, Sequence
+
+
+@dataclass(frozen=True, order=True)
+class Cell:
+    """One polymorph: the static shape an executable was compiled for.
+
+    ``seq`` is the sequence-length bucket (text models; 0 for images) and ``gamma``
+    the OTAS token-count variant (images; 0 = the vanilla model).
+    """
+
+    batch: int
+    seq: int = 0
+    gamma: int = 0
+
+    def label(self) -> str:
+        return f"b{self.batch}_s{self.seq}_g{self.gamma}"
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a policy knows about one request."""
+
+    id: int
+    arrival: float
+    model: str
+    task: str = ""
+    length: int = 0  # tokens, for text; 0 for images
+    deadline: float = math.inf  # absolute time on the caller's clock
+    utility: float = 1.0
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A decision: run these requests together on ``instance`` in executable ``cell``."""
+
+    request_ids: tuple[int, ...]
+    model: str
+    cell: Cell
+    instance: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a policy wants done now.
+
+    ``evict`` lists requests the policy gives up on (their deadline can no longer be
+    met); the engine answers each of them with outcome ``evicted``. ``wake_at`` is
+    the latest time the caller must ask again even if nothing arrives or completes
+    (for example when the oldest request's slack runs out).
+    """
+
+    batches: tuple[Batch, ...] = ()
+    evict: tuple[int, ...] = ()
+    wake_at: float = math.inf
+
+
+class Policy(Protocol):
+    """Callbacks the engine and the simulator make, always with the current time."""
+
+    def on_arrival(self, request: Request, now: float) -> None: ...
+
+    def on_completion(self, batch: Batch, now: float) -> None: ...
+
+    def plan(self, now: float, idle_instances: Sequence[int]) -> Plan: ...
+
+    def queue_depth(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class LatencyProfile:
+    """Profiled compute latency (seconds) of each executable of one model.
+
+    Looking up a cell that was not profiled is an error rather than a guess, except
+    through :meth:`latency_for`, which interpolates linearly in batch size inside
+    one (seq, gamma) column; that is what a policy uses to price a partial batch.
+    """
+
+    model: str
+    seconds: Mapping[Cell, float]
+
+    def latency(self, cell: Cell) -> float:
+        return self.seconds[cell]
+
+    def cells(self) -> tuple[Cell, ...]:
+        return tuple(sorted(self.seconds))
+
+    def latency_for(self, batch: int, seq: int = 0, gamma: int = 0) -> float:
+        column = sorted(c.batch for c in self.seconds if c.seq == seq and c.gamma == gamma)
+        if not column:
+            raise KeyError(f"no profiled cell with seq={seq} gamma={gamma} for {self.model}")
+        if batch <= column[0]:
+            return self.seconds[Cell(column[0], seq, gamma)]
+        for lo, hi in zip(column, column[1:]):
+            if lo <= batch <= hi:
+                t_lo = self.seconds[Cell(lo, seq, gamma)]
+                t_hi = self.seconds[Cell(hi, seq, gamma)]
+                return t_lo + (t_hi - t_lo) * (batch - lo) / (hi - lo)
+        top = column[-1]
+        return self.seconds[Cell(top, seq, gamma)] * batch / top
+
+
+@dataclass(frozen=True)
+class AccuracyProfile:
+    """Profiled accuracy per (task, gamma), measured on a held-out profiling split."""
+
+    model: str
+    accuracy: Mapping[tuple[str, int], float]
+
+    def of(self, task: str, gamma: int) -> float:
+        return self.accuracy[(task, gamma)]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Everything a policy may know about costs: written by ``jaxserve profile``.
+
+    The engine and the simulator read the same file, so a simulated run prices
+    batches exactly as the live engine's policy does.
+    """
+
+    latency: Mapping[str, LatencyProfile]
+    accuracy: Mapping[str, AccuracyProfile] = field(default_factory=dict)
+    machine: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "machine": self.machine,
+                "latency": {
+                    name: [[c.batch, c.seq, c.gamma, t] for c, t in sorted(p.seconds.items())]
+                    for name, p in self.latency.items()
+                },
+                "accuracy": {
+                    name: [[task, g, a] for (task, g), a in sorted(p.accuracy.items())]
+                    for name, p in self.accuracy.items()
+                },
+            },
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostModel":
+        raw = json.loads(text)
+        latency = {
+            name: LatencyProfile(name, {Cell(int(b), int(s), int(g)): float(t) for b, s, g, t in rows})
+            for name, rows in raw["latency"].items()
+        }
+        accuracy = {
+            name: AccuracyProfile(name, {(str(task), int(g)): float(a) for task, g, a in rows})
+            for name, rows in raw.get("accuracy", {}).items()
+        }
+        return cls(latency=latency, accuracy=accuracy, machine=raw.get("machine", ""))
+
+    def merged(self, other: "CostModel") -> "CostModel":
+        return CostModel(
+            latency={**self.latency, **other.latency},
+            accuracy={**self.accuracy, **other.accuracy},
+            machine=other.machine or self.machine,
+        )
+
+
+def bucket_for_length(length: int, buckets: Iterable[int]) -> int:
+    """The smallest bucket that holds ``length`` tokens.
+
+    This is THE bucketing rule: the polymorph table's precompile path, its serving
+    path and every policy call it, so what is compiled and what is served can never
+    drift apart. Raises ``ValueError`` when no bucket is large enough.
+    """
+    best = None
+    for b in buckets:
+        if b >= length and (best is None or b < best):
+            best = b
+    if best is None:
+        raise ValueError(f"length {length} exceeds the largest bucket {max(buckets)}")
+    return best
+
+
+def batch_size_for(count: int, batch_sizes: Iterable[int]) -> int:
+    """The smallest allowed batch size that holds ``count`` items (the largest if none does)."""
+    sizes = sorted(batch_sizes)
+    for s in sizes:
+        if s >= count:
+            return s
+    return sizes[-1]
+
+
+@dataclass(frozen=True)
+class ShapeGrid:
+    """The shapes one model serves, declared as data (Saxml style).
+
+    Text models have ``seq_buckets``; image models have none (``seq`` is 0) and may
+    have several ``gammas`` (OTAS token-count variants). Every cell of the product
+    is compiled at warmup, and :meth:`cell_for` — built on :func:`bucket_for_length`
+    and :func:`batch_size_for` — is the only way any caller maps inputs to a cell.
+    """
+
+    batch_sizes: tuple[int, ...]
+    seq_buckets: tuple[int, ...] = ()
+    gammas: tuple[int, ...] = (0,)
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError("batch_sizes must be positive and non-empty")
+        object.__setattr__(self, "batch_sizes", tuple(sorted(set(self.batch_sizes))))
+        object.__setattr__(self, "seq_buckets", tuple(sorted(set(self.seq_buckets))))
+        object.__setattr__(self, "gammas", tuple(sorted(set(self.gammas))))
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch_sizes[-1]
+
+    @property
+    def max_length(self) -> int:
+        return self.seq_buckets[-1] if self.seq_buckets else 0
+
+    def cells(self) -> tuple[Cell, ...]:
+        seqs = self.seq_buckets or (0,)
+        return tuple(Cell(b, s, g) for b in self.batch_sizes for s in seqs for g in self.gammas)
+
+    def cell_for(self, count: int, max_length: int = 0, gamma: int = 0) -> Cell:
+        """The cell for ``count`` inputs whose longest has ``max_length`` tokens."""
+        if count > self.max_batch:
+            raise ValueError(f"{count} inputs exceed the largest batch size {self.max_batch}")
+        if gamma not in self.gammas:
+            raise ValueError(f"gamma {gamma} is not one of {self.gammas}")
+        seq = bucket_for_length(max_length, self.seq_buckets) if self.seq_buckets else 0
+        return Cell(batch_size_for(count, self.batch_sizes), seq, gamma)

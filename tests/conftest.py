@@ -1,0 +1,24 @@
+import os
+
+# Tests run on the CPU with small thread pools; they never need a GPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    from jaxserve.registry import minilm_dir
+
+    return minilm_dir()
+
+
+@pytest.fixture(scope="session")
+def minilm(minilm_dir):
+    from jaxserve.models.bert import load_hf_bert
+
+    return load_hf_bert(minilm_dir)

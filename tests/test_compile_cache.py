@@ -1,0 +1,129 @@
+"""Compile cache: serialized fast path, keying against staleness, corruption, permissions."""
+
+import json
+import os
+import stat
+
+import numpy as np
+import pytest
+
+import jaxserve.compile_cache as cc
+from jaxserve.compile_cache import CompileCache, compile_count
+from jaxserve.models.bert import BERT_CONFIGS, BertConfig, init_bert
+from jaxserve.polymorph import PolymorphTable, pad_token_batch
+from jaxserve.sched.base import Cell, ShapeGrid
+from jaxserve.servables import bert_servable, weights_of
+
+GRID = ShapeGrid(batch_sizes=(1, 2), seq_buckets=(16,))
+CFG = BERT_CONFIGS["bert-tiny-test"]
+
+
+def _table(cache, cfg: BertConfig = CFG):
+    t = PolymorphTable(bert_servable("tiny", cfg, GRID), cache)
+    rows = t.warmup()
+    return t, rows
+
+
+def _embed(table, weights, cell=Cell(2, 16)):
+    ids, mask = pad_token_batch([[101, 7, 8, 9, 102], [101, 5, 102]], cell)
+    return table.run(cell, weights, ids, mask)["embedding"]
+
+
+@pytest.fixture()
+def cache_dir(tmp_path):
+    return tmp_path / "cache"
+
+
+def test_second_start_loads_serialized_executables_without_compiling(cache_dir):
+    weights = weights_of(init_bert(CFG, seed=1))
+    t1, rows1 = _table(CompileCache(cache_dir, use_xla_cache=False))
+    assert {r.source for r in rows1} == {"compiled"}
+    before = compile_count()
+    t2, rows2 = _table(CompileCache(cache_dir, use_xla_cache=False))
+    assert {r.source for r in rows2} == {"serialized"}
+    assert compile_count() == before
+    np.testing.assert_array_equal(_embed(t1, weights), _embed(t2, weights))
+    manifest = json.loads((cache_dir / "manifest.json").read_text())
+    row = manifest["entries"][0]
+    for field in ("model", "config_hash", "cell", "jax", "jaxlib", "xla_flags", "compile_seconds", "source"):
+        assert field in row
+    assert len(manifest["entries"]) == len(GRID.cells())
+
+
+def test_one_executable_serves_every_checkpoint_of_a_config(cache_dir):
+    t, _ = _table(CompileCache(cache_dir, use_xla_cache=False))
+    a, b = weights_of(init_bert(CFG, seed=1)), weights_of(init_bert(CFG, seed=2))
+    assert not np.allclose(_embed(t, a), _embed(t, b))
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["jax", "jaxlib", "xla_flags", "device_kind", "jax_default_matmul_precision"],
+)
+def test_other_versions_or_flags_never_load_a_stale_entry(cache_dir, monkeypatch, change):
+    table, _ = _table(CompileCache(cache_dir, use_xla_cache=False))
+    cell = Cell(2, 16)
+    stored_key, _ = table._key(cell)
+    real = cc.environment_fingerprint
+
+    def altered():
+        fp = real()
+        fp[change] = fp[change] + "-other"
+        return fp
+
+    monkeypatch.setattr("jaxserve.polymorph.environment_fingerprint", altered)
+    new_key, parts = table._key(cell)
+    assert new_key != stored_key and parts["env"][change].endswith("-other")
+    assert table.cache.load(new_key, *table._trees(cell)) is None
+    assert table.cache.load(stored_key, *table._trees(cell)) is not None
+
+
+def test_other_config_or_shape_never_loads_a_stale_entry(cache_dir):
+    _table(CompileCache(cache_dir, use_xla_cache=False))
+    other = BertConfig(**{**CFG.__dict__, "intermediate_size": 48})
+    _, rows = _table(CompileCache(cache_dir, use_xla_cache=False), other)
+    assert {r.source for r in rows} == {"compiled"}
+    keys = {r.key for r in _table(CompileCache(cache_dir, use_xla_cache=False))[1]}
+    assert len(keys) == len(GRID.cells())  # every cell its own key
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage_with_matching_sidecar"])
+def test_corrupt_entry_is_reported_discarded_and_rebuilt(cache_dir, damage):
+    weights = weights_of(init_bert(CFG, seed=1))
+    t1, rows = _table(CompileCache(cache_dir, use_xla_cache=False))
+    expected = _embed(t1, weights)
+    victim = next(r for r in rows if r.cell == Cell(2, 16).label())
+    payload = cache_dir / "executables" / f"{victim.key}.bin"
+    data = payload.read_bytes()
+    if damage == "truncate":
+        payload.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        payload.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    else:  # a payload that passes the checksum but is not an executable
+        import hashlib
+
+        junk = b"not an executable" * 10
+        payload.write_bytes(junk)
+        meta_path = payload.with_suffix(".json")
+        meta = json.loads(meta_path.read_text())
+        meta.update(size=len(junk), sha256=hashlib.sha256(junk).hexdigest())
+        meta_path.write_text(json.dumps(meta))
+    cache = CompileCache(cache_dir, use_xla_cache=False)
+    t2, rows2 = _table(cache)
+    sources = {r.cell: r.source for r in rows2}
+    assert sources[Cell(2, 16).label()] == "rebuilt"
+    assert sum(s == "serialized" for s in sources.values()) == len(GRID.cells()) - 1
+    assert any(victim.key in e for e in cache.events)
+    np.testing.assert_array_equal(_embed(t2, weights), expected)
+    # and the rebuilt entry is good again
+    _, rows3 = _table(CompileCache(cache_dir, use_xla_cache=False))
+    assert {r.source for r in rows3} == {"serialized"}
+
+
+def test_cache_is_owner_only(cache_dir):
+    _table(CompileCache(cache_dir, use_xla_cache=False))
+    assert stat.S_IMODE(os.stat(cache_dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(cache_dir / "executables").st_mode) == 0o700
+    for f in (cache_dir / "executables").iterdir():
+        assert stat.S_IMODE(os.stat(f).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(cache_dir / "manifest.json").st_mode) == 0o600
