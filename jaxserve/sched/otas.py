@@ -1,0 +1,824 @@
+"""OTAS: selective batching and online token adaptation (Chen et al., "OTAS: An Elastic
+Transformer Serving System via Token Adaptation"), plus the paper's baselines.
+
+A ViT here is served by one executable per ``Cell(batch, 0, gamma)``: gamma > 0 adds
+gamma prompt tokens per layer (slower, more accurate), gamma < 0 merges |gamma| tokens
+per layer with ToMe (faster, a little less accurate), gamma = 0 is the vanilla model.
+Every policy in this module forms batches with Alg. 1 and differs only in how it picks
+the gamma (or, for INFaaS, the model variant) of each batch:
+
+* :class:`OTASPolicy` — Alg. 2 (the DP, :func:`solve_token_dp`) when the batch queue
+  holds more than beta batches, Alg. 3 (:func:`manual_allocate` with the load map
+  :class:`LoadToGamma`) otherwise and during the initial stage.
+* :class:`PetSPolicy`, :class:`FixedToMePolicy`, :class:`FixedVPTPolicy` — one fixed gamma.
+* :class:`INFaaSPolicy` — model switching among variants (e.g. ViT-S/B/L), paying a
+  switching cost each time it changes variant.
+
+Everything is plain Python: the clock is the ``now`` argument, costs come from the
+profiles (:class:`~jaxserve.sched.base.LatencyProfile`,
+:class:`~jaxserve.sched.base.AccuracyProfile`), decisions come back as a
+:class:`~jaxserve.sched.base.Plan`.
+
+Where we decide what the paper leaves open, or deliberately differ from it
+----------------------------------------------------------------------------
+Alg. 1 (Sec. III-C, whose pseudocode is not in our copy; the prose defines it). A
+request r may join a queued batch b iff all four hold:
+
+* ``now - s_b < delta``       — the batch's first request has waited less than delta;
+* ``|b| < min(epsilon, grid.max_batch)`` — "batch size smaller than epsilon"; the
+  largest compiled batch size also caps it (a batch must fit one executable);
+* ``|d_r - d_b| <= eta``      — d_b = min deadline of the batch (the paper's d_b) at the
+  moment r arrives (literal reading; d_b can drift down as earlier-deadline requests
+  join, at most eta per join);
+* ``min(u_r, u_b) / max(u_r, u_b) >= mu`` — u_b is the utility of the batch's first
+  request. The paper says "close to u_b with a threshold mu" with mu = 0.8; an absolute
+  difference <= 0.8 would put every utility of Table II (0.01 ... 1) in one batch, so
+  we read mu as a ratio (0.3 and 0.2 split, 0.3 and 0.3 join). Two zeros are equal.
+
+r joins the first such batch in creation order ("if a batch ... is found"), otherwise
+opens a new one. delta bounds *joining*, it is not a hold timer: dispatch is
+work-conserving — an idle instance always gets the next batch of the current plan (a
+0.5 s hold would break the 0.6 s SLOs of Table II). Batches may mix tasks (Sec. III-A).
+
+Batch time and utility (Alg. 2 line 22). The paper sums per-task sample counts times a
+per-sample latency. We price a batch of n requests at gamma by the latency of the
+executable that will really run it, ``grid.cell_for(n, 0, gamma)`` (padding included),
+from the LatencyProfile (``latency_for`` if that exact cell was not profiled): batching
+is strongly sub-linear (Fig. 7) and all tasks share one executable, so per-sample sums
+overestimate. Utility is exactly the paper's: U_b(gamma) = sum over r in b of
+accuracy(task_r, gamma) * u_r. Constraint (1c) (memory) is met by construction: only
+compiled, profiled cells exist.
+
+Alg. 2 (the DP). The paper keeps one (utility, clock) per (b, l_b), initialises dp to 0,
+S to 1 and C to T, and keeps the larger utility. Three problems, fixed here:
+
+1. An execution with zero utility never passes ``u > dp[b, l_b]`` (0 > 0), so it keeps
+   the initial clock T — it looks free — and a garbage back-pointer S = 1; argmax over a
+   row of zeros then picks such a state. We start from the single label (0, T) before
+   batch 1 and every other state is absent (-inf); an execution always advances the
+   clock, and only feasible executions (``C + t_b < d_b``, strict as in line 23) create
+   states, so infeasible states are -inf by construction.
+2. Ties: among equal utility we keep the EARLIER clock (the paper keeps the first seen).
+3. One label per (b, l_b) is not exact: what the future needs is the clock, not l_b, and
+   a lower-utility prefix that finishes earlier can enable more later batches. We keep,
+   per batch, the Pareto frontier of (utility up, clock down) labels; the paper's table
+   is the special case of one label per l_b. This is exact (equals brute force over all
+   (N_gamma + 1)^N_B assignments in the same EDD sequential-execution model) as long as
+   the frontier stays under ``max_labels``; beyond that it is thinned evenly (the extremes
+   kept) and ``DPSolution.truncated`` says so (on random 30-batch, 8-gamma queues a cap
+   of 16 already matched the uncapped optimum to 5 digits; the default 128 costs ~10 ms
+   per decision there). Per batch, gamma options dominated in both time and utility are
+   dropped first (exact).
+
+l_b = 0 ("batch not executed") is a choice for every batch. A batch the DP leaves out is
+not evicted at once: it stays queued and is re-planned at the next decision (new
+arrivals and real completion times change the picture); a request is evicted only when
+it can no longer meet its deadline even if its batch started at the next free instance
+with the fastest gamma (the paper's Type 4, "cannot meet latency constraints before
+actual execution").
+
+Alg. 3. f(q) is derived from the profile, not from Table I (measured on an RTX 4080):
+gamma sustains rate q iff ``headroom * B_max / latency(Cell(B_max, 0, gamma)) >= q`` and
+f(q) is the most accurate sustaining gamma (mean accuracy over the profiled tasks; ties
+to the faster), or the fastest gamma if none sustains q. Per batch, in EDD order with a
+running clock T: if ``T + t_b(f(q)) >= d_b`` the batch gets the fastest gamma (the paper's
+min(L), which is the fastest when latency falls with gamma); else if the mean u_r of the
+batch exceeds kappa it gets the most accurate gamma that still meets d_b (the paper says
+max(L) unconditionally; a critical batch that then misses its deadline earns nothing,
+and f(q)'s gamma is always a candidate); else f(q). Used when ``N_B <= beta`` (Alg. 2 line
+2 says <=, the prose "less than"; we follow the pseudocode) or during the initial stage
+(the first ``initial_stage`` seconds after the first callback).
+
+Arrival rate q: arrivals in the last ``rate_window`` seconds divided by the window (by
+the elapsed time since start, floored at a tenth of the window, during the first window).
+
+Several instances: OTAS plans for one sequential executor (Sec. III-A). With k idle
+instances we hand out the first k executed batches of the same plan, one each — earlier
+than the plan assumed, so no deadline the plan met is missed.
+
+Outcome types (Sec. V, "The execution type of a query"), recorded per request in
+``outcomes``:
+
+1. accurate result within the latency constraint;
+2. incorrect result within the latency constraint;
+3. a result, but after the deadline;
+4. evicted before execution because it could not meet its deadline.
+
+A policy never sees labels, so on completion an on-time request is recorded as Type 1
+provisionally; whoever knows correctness calls :meth:`record_correctness` to turn it into
+Type 2. "On time" at completion is ``now <= deadline``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Iterable, Optional, Sequence
+
+from jaxserve.sched.base import (
+    AccuracyProfile,
+    Batch,
+    Cell,
+    CostModel,
+    LatencyProfile,
+    Plan,
+    Request,
+    ShapeGrid,
+)
+
+__all__ = [
+    "BatchDecision", "BatchingParams", "DPSolution", "FixedGammaPolicy", "FixedToMePolicy",
+    "FixedVPTPolicy", "GammaOption", "INFaaSPolicy", "LoadToGamma", "ModelVariant", "OTASParams",
+    "OTASPolicy", "OutcomeType", "PetSPolicy", "SelectiveBatchingPolicy", "manual_allocate",
+    "solve_token_dp",
+]
+
+# --------------------------------------------------------------------------- types
+
+
+class OutcomeType(IntEnum):
+    """The paper's four execution types of a query (Sec. V, Fig. 13)."""
+
+    ACCURATE_ON_TIME = 1
+    INACCURATE_ON_TIME = 2
+    LATE = 3
+    EVICTED = 4
+
+
+@dataclass(frozen=True)
+class BatchingParams:
+    """Alg. 1 thresholds; defaults are the paper's (Sec. V, Setup)."""
+
+    delta: float = 0.5  # s: a batch accepts joins while its first request waited < delta
+    epsilon: int = 64  # a batch holds at most epsilon requests
+    eta: float = 0.5  # s: |d_r - d_b| <= eta to join
+    mu: float = 0.8  # utility ratio min/max >= mu to join
+
+    def __post_init__(self) -> None:
+        if self.delta <= 0 or self.epsilon < 1 or self.eta < 0 or not 0 <= self.mu <= 1:
+            raise ValueError(f"invalid batching parameters {self}")
+
+
+@dataclass(frozen=True)
+class OTASParams:
+    """Alg. 2/3 knobs; beta, initial_stage and kappa are the paper's (Sec. V, Setup)."""
+
+    beta: int = 5  # N_B <= beta batches -> Alg. 3
+    initial_stage: float = 2.0  # s after the first callback -> Alg. 3
+    kappa: float = 0.8  # mean utility above kappa -> most accurate gamma
+    rate_window: float = 1.0  # s, arrival-rate window
+    headroom: float = 0.8  # f(q): a gamma may run at most at this utilisation
+    max_labels: int = 128  # DP frontier cap per batch (exact below it)
+
+
+@dataclass(frozen=True)
+class GammaOption:
+    """Running one batch at ``gamma``: its profiled time and its expected utility."""
+
+    gamma: int
+    seconds: float
+    utility: float
+
+
+@dataclass(frozen=True)
+class DPSolution:
+    """Alg. 2's answer for batches in EDD order: a gamma per batch, None = not executed."""
+
+    gammas: tuple[Optional[int], ...]
+    utility: float
+    finish: float  # clock after the last executed batch
+    max_frontier: int  # largest label set kept for one batch
+    truncated: bool  # the frontier was thinned somewhere: optimality not guaranteed
+
+
+@dataclass(frozen=True)
+class BatchDecision:
+    """One dispatched batch, for inspection and reports."""
+
+    time: float
+    request_ids: tuple[int, ...]
+    model: str
+    cell: Cell
+    instance: int
+    source: str  # "dp", "load" (Alg. 3), "backfill", "fixed" or "variant"
+    est_seconds: float
+    est_utility: float
+
+    @property
+    def gamma(self) -> int:
+        return self.cell.gamma
+
+
+@dataclass(frozen=True)
+class ModelVariant:
+    """One INFaaS model variant (e.g. ViT-S/B/L), profiled like any model at gamma 0.
+
+    ``name`` is what :class:`Batch.model` carries, so the engine/simulator prices and
+    runs the batch with that variant's executables.
+    """
+
+    name: str
+    latency: LatencyProfile
+    accuracy: AccuracyProfile
+    grid: ShapeGrid
+
+
+# --------------------------------------------------------------------------- Alg. 2
+
+
+def _undominated(options: Sequence[GammaOption]) -> list[tuple[int, GammaOption]]:
+    """Options not beaten in both time (<=) and utility (>=) by another; first of equals kept."""
+    kept: list[tuple[int, GammaOption]] = []
+    for i, o in enumerate(options):
+        dominated = False
+        for j, p in enumerate(options):
+            if j == i:
+                continue
+            if p.seconds <= o.seconds and p.utility >= o.utility:
+                if p.seconds < o.seconds or p.utility > o.utility or j < i:
+                    dominated = True
+                    break
+        if not dominated:
+            kept.append((i, o))
+    return kept
+
+
+def _same_utility(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(1.0, abs(a), abs(b))
+
+
+def solve_token_dp(
+    deadlines: Sequence[float],
+    options: Sequence[Sequence[GammaOption]],
+    start: float,
+    max_labels: int = 128,
+) -> DPSolution:
+    """Alg. 2: the gamma of each batch (or None, l_b = 0) maximising total utility.
+
+    ``deadlines[b]`` is d_b and ``options[b]`` the gamma choices of batch b, batches
+    already in EDD order (Alg. 2 line 1) and executed one after another from ``start``;
+    an executed batch must finish strictly before its deadline. Among equal utility the
+    earlier finishing clock wins. See the module docstring for the fixes to the paper.
+    """
+    if len(deadlines) != len(options):
+        raise ValueError("one option list per batch")
+    if max_labels < 2:
+        raise ValueError("max_labels must be at least 2")
+    # label: (utility, clock, parent index in previous stage, option index or -1 = skip)
+    stages: list[list[tuple[float, float, int, int]]] = [[(0.0, start, -1, -1)]]
+    truncated = False
+    widest = 1
+    for deadline, opts in zip(deadlines, options):
+        useful = _undominated(opts)
+        candidates: list[tuple[float, float, int, int]] = []
+        for parent, (u, c, _, _) in enumerate(stages[-1]):
+            candidates.append((u, c, parent, -1))
+            for k, o in useful:
+                finish = c + o.seconds
+                if finish < deadline:
+                    candidates.append((u + o.utility, finish, parent, k))
+        # Pareto frontier: by clock, keep a label only if it strictly improves utility.
+        candidates.sort(key=lambda lab: (lab[1], -lab[0]))
+        frontier: list[tuple[float, float, int, int]] = []
+        for lab in candidates:
+            if not frontier or (lab[0] > frontier[-1][0] and not _same_utility(lab[0], frontier[-1][0])):
+                frontier.append(lab)
+        if len(frontier) > max_labels:
+            truncated = True
+            step = (len(frontier) - 1) / (max_labels - 1)
+            frontier = [frontier[round(i * step)] for i in range(max_labels)]
+        widest = max(widest, len(frontier))
+        stages.append(frontier)
+    best = len(stages[-1]) - 1  # the frontier's last label: max utility, earliest among ties
+    utility, finish = stages[-1][best][0], stages[-1][best][1]
+    gammas: list[Optional[int]] = []
+    index = best
+    for b in range(len(deadlines), 0, -1):
+        _, _, parent, k = stages[b][index]
+        gammas.append(None if k < 0 else options[b - 1][k].gamma)
+        index = parent
+    gammas.reverse()
+    return DPSolution(tuple(gammas), utility, finish, widest, truncated)
+
+
+# --------------------------------------------------------------------------- Alg. 3
+
+
+@dataclass(frozen=True)
+class LoadToGamma:
+    """f(q) of Alg. 3, derived from the profile of the machine at hand.
+
+    ``rows`` holds (gamma, sustainable rate, mean accuracy); the sustainable rate is
+    ``headroom * B_max / latency(Cell(B_max, 0, gamma))`` req/s.
+    """
+
+    rows: tuple[tuple[int, float, float], ...]
+
+    @classmethod
+    def from_profile(
+        cls,
+        latency: LatencyProfile,
+        accuracy: AccuracyProfile,
+        grid: ShapeGrid,
+        gammas: Sequence[int],
+        headroom: float = 0.8,
+    ) -> "LoadToGamma":
+        if not 0 < headroom <= 1:
+            raise ValueError("headroom must be in (0, 1]")
+        tasks = sorted({t for (t, _) in accuracy.accuracy})
+        tasks = [t for t in tasks if all((t, g) in accuracy.accuracy for g in gammas)]
+        if not tasks:
+            raise ValueError(f"no task of {accuracy.model} is profiled at every gamma of {tuple(gammas)}")
+        top = grid.max_batch
+        rows = []
+        for g in gammas:
+            seconds = latency.latency_for(top, 0, g)
+            rate = headroom * top / seconds
+            acc = sum(accuracy.of(t, g) for t in tasks) / len(tasks)
+            rows.append((g, rate, acc))
+        return cls(tuple(rows))
+
+    def __call__(self, rate: float) -> int:
+        sustaining = [r for r in self.rows if r[1] >= rate]
+        if not sustaining:
+            return max(self.rows, key=lambda r: (r[1], -r[0]))[0]
+        return max(sustaining, key=lambda r: (r[2], r[1], -r[0]))[0]
+
+    def table(self) -> tuple[tuple[float, int], ...]:
+        """Like the paper's Table I: (up to this rate, gamma) rows, ascending rate."""
+        cuts = sorted({r[1] for r in self.rows})
+        out: list[tuple[float, int]] = []
+        for cut in cuts:
+            g = self(cut)
+            if not out or out[-1][1] != g:
+                out.append((cut, g))
+            else:
+                out[-1] = (cut, g)
+        return tuple(out)
+
+
+def manual_allocate(
+    deadlines: Sequence[float],
+    mean_utilities: Sequence[float],
+    options: Sequence[Sequence[GammaOption]],
+    start: float,
+    load_gamma: int,
+    kappa: float,
+) -> tuple[int, ...]:
+    """Alg. 3 for batches in EDD order: a gamma for every batch (none is skipped).
+
+    ``load_gamma`` is f(q); ``options[b]`` must contain it. See the module docstring for
+    the two places where we refine the paper (fastest gamma for min(L); the most accurate
+    gamma that meets d_b for max(L)).
+    """
+    clock = start
+    chosen: list[int] = []
+    for deadline, mean_u, opts in zip(deadlines, mean_utilities, options):
+        by_gamma = {o.gamma: o for o in opts}
+        if load_gamma not in by_gamma:
+            raise ValueError(f"f(q) = {load_gamma} is not among the options {sorted(by_gamma)}")
+        pick = by_gamma[load_gamma]
+        if clock + pick.seconds >= deadline:
+            pick = min(opts, key=lambda o: (o.seconds, o.gamma))
+        elif mean_u > kappa:
+            meeting = [o for o in opts if clock + o.seconds < deadline]
+            pick = max(meeting, key=lambda o: (o.utility, -o.seconds, o.gamma))
+        chosen.append(pick.gamma)
+        clock += pick.seconds
+    return tuple(chosen)
+
+
+# --------------------------------------------------------------------------- shared machinery
+
+
+class _Pricer:
+    """Prices batches of one model from its profiles (cached)."""
+
+    def __init__(self, model: str, latency: LatencyProfile, accuracy: AccuracyProfile,
+                 grid: ShapeGrid, gammas: Sequence[int]) -> None:
+        gammas = tuple(sorted(set(gammas)))
+        if not gammas:
+            raise ValueError("need at least one gamma")
+        missing = [g for g in gammas if g not in grid.gammas]
+        if missing:
+            raise ValueError(f"gammas {missing} are not compiled in the grid {grid.gammas}")
+        self.model, self.latency, self.accuracy, self.grid, self.gammas = model, latency, accuracy, grid, gammas
+        self._seconds: dict[tuple[int, int], float] = {}
+        for g in gammas:  # fail at construction, not mid-run, if a column is missing
+            self.seconds(grid.max_batch, g)
+
+    def cell(self, count: int, gamma: int) -> Cell:
+        return self.grid.cell_for(count, 0, gamma)
+
+    def seconds(self, count: int, gamma: int) -> float:
+        key = (count, gamma)
+        if key not in self._seconds:
+            cell = self.cell(count, gamma)
+            try:
+                t = self.latency.latency(cell)
+            except KeyError:
+                t = self.latency.latency_for(cell.batch, 0, gamma)
+            self._seconds[key] = t
+        return self._seconds[key]
+
+    def fastest_seconds(self, count: int) -> float:
+        return min(self.seconds(count, g) for g in self.gammas)
+
+    def options(self, requests: Sequence[Request]) -> list[GammaOption]:
+        n = len(requests)
+        out = []
+        for g in self.gammas:
+            u = 0.0
+            for r in requests:
+                try:
+                    u += self.accuracy.of(r.task, g) * r.utility
+                except KeyError:
+                    raise KeyError(f"no accuracy profiled for task {r.task!r} at gamma {g} ({self.model})") from None
+            out.append(GammaOption(g, self.seconds(n, g), u))
+        return out
+
+
+class _QueuedBatch:
+    """A batch under construction/waiting (internal, mutable)."""
+
+    __slots__ = ("key", "requests", "opened", "first_utility")
+
+    def __init__(self, key: int, first: Request, now: float) -> None:
+        self.key = key
+        self.requests = [first]
+        self.opened = now  # s_b, as seen by the policy
+        self.first_utility = first.utility
+
+    @property
+    def deadline(self) -> float:
+        return min(r.deadline for r in self.requests)
+
+    def sort_key(self) -> tuple[float, float, int]:
+        return (self.deadline, self.opened, self.key)
+
+
+def _deadline_gap(a: float, b: float) -> float:
+    if math.isinf(a) and math.isinf(b) and (a > 0) == (b > 0):
+        return 0.0
+    return abs(a - b)
+
+
+def _utility_ratio(a: float, b: float) -> float:
+    hi = max(abs(a), abs(b))
+    return 1.0 if hi == 0 else min(abs(a), abs(b)) / hi
+
+
+class SelectiveBatchingPolicy:
+    """Alg. 1 batching, deadline eviction, dispatch and outcome bookkeeping.
+
+    Subclasses choose the gamma of each batch in :meth:`_schedule`. Not a policy on its
+    own. It serves one model: every request is treated as one for it and every
+    :class:`Batch` carries the policy's model name (INFaaS: the current variant's).
+    Busy instances are estimated from its own dispatches (profiled latency) only to
+    evict early while none is idle; dispatch always trusts ``idle_instances``. Public
+    read-outs: ``outcomes`` (request id -> :class:`OutcomeType`),
+    ``request_gamma`` (request id -> gamma it ran with), ``decisions`` (one
+    :class:`BatchDecision` per dispatched batch), ``counters`` and ``expected_utility``
+    (sum of accuracy * u_r over requests finished on time).
+    """
+
+    name = "selective"
+
+    def __init__(self, pricer: _Pricer, batching: BatchingParams = BatchingParams(),
+                 rate_window: float = 1.0, start_time: Optional[float] = None) -> None:
+        if rate_window <= 0:
+            raise ValueError("rate_window must be positive")
+        self._pricer = pricer
+        self.batching = batching
+        self.rate_window = rate_window
+        self.start_time = start_time
+        self._queue: list[_QueuedBatch] = []
+        self._next_key = 0
+        self._arrivals: deque[float] = deque()
+        self._inflight: dict[int, tuple[Request, float]] = {}  # id -> (request, accuracy)
+        self._busy_until: dict[int, float] = {}  # instance -> estimated finish
+        self.outcomes: dict[int, OutcomeType] = {}
+        self.request_gamma: dict[int, int] = {}
+        self.decisions: list[BatchDecision] = []
+        self.counters: Counter[str] = Counter()
+        self.expected_utility = 0.0
+
+    # ------------------------------------------------------------------ Policy protocol
+
+    def on_arrival(self, request: Request, now: float) -> None:
+        self._start(now)
+        self._arrivals.append(now)
+        self.counters["arrived"] += 1
+        cap = min(self.batching.epsilon, self._max_batch())
+        for qb in self._queue:  # creation order: the first batch found
+            if (now - qb.opened < self.batching.delta
+                    and len(qb.requests) < cap
+                    and _deadline_gap(request.deadline, qb.deadline) <= self.batching.eta
+                    and _utility_ratio(request.utility, qb.first_utility) >= self.batching.mu):
+                qb.requests.append(request)
+                return
+        self._queue.append(_QueuedBatch(self._next_key, request, now))
+        self._next_key += 1
+        self.counters["batches_formed"] += 1
+
+    def on_completion(self, batch: Batch, now: float) -> None:
+        self._busy_until.pop(batch.instance, None)
+        for rid in batch.request_ids:
+            entry = self._inflight.pop(rid, None)
+            if entry is None:
+                continue
+            request, acc = entry
+            if now <= request.deadline:
+                self.outcomes[rid] = OutcomeType.ACCURATE_ON_TIME
+                self.counters["on_time"] += 1
+                self.expected_utility += acc * request.utility
+            else:
+                self.outcomes[rid] = OutcomeType.LATE
+                self.counters["late"] += 1
+
+    def plan(self, now: float, idle_instances: Sequence[int]) -> Plan:
+        self._start(now)
+        idle = list(idle_instances)
+        free_at = self._free_at(now, bool(idle))
+        evicted = self._evict_hopeless(free_at)
+        batches: list[Batch] = []
+        if idle and self._queue and now >= self._blocked_until():
+            ordered = sorted(self._queue, key=_QueuedBatch.sort_key)
+            schedule = self._schedule(now, ordered)
+            for (qb, gamma, source), instance in zip(schedule, idle):
+                batches.append(self._dispatch(qb, gamma, source, instance, now))
+        return Plan(tuple(batches), tuple(evicted), self._wake_at(now))
+
+    def queue_depth(self) -> int:
+        return sum(len(qb.requests) for qb in self._queue)
+
+    # ------------------------------------------------------------------ read-outs
+
+    def arrival_rate(self, now: float) -> float:
+        """q: arrivals per second over the last ``rate_window`` seconds."""
+        while self._arrivals and self._arrivals[0] <= now - self.rate_window:
+            self._arrivals.popleft()
+        elapsed = now - self.start_time if self.start_time is not None else self.rate_window
+        span = min(self.rate_window, max(elapsed, 0.1 * self.rate_window))
+        return len(self._arrivals) / span
+
+    def queued_batches(self) -> tuple[tuple[int, ...], ...]:
+        """Request ids of each queued batch, in creation order."""
+        return tuple(tuple(r.id for r in qb.requests) for qb in self._queue)
+
+    def record_correctness(self, request_id: int, correct: bool) -> None:
+        """Resolve Type 1 vs 2 for an on-time request once its label is known."""
+        outcome = self.outcomes.get(request_id)
+        if outcome is None or outcome == OutcomeType.EVICTED:
+            raise KeyError(f"request {request_id} has no served outcome")
+        if outcome in (OutcomeType.ACCURATE_ON_TIME, OutcomeType.INACCURATE_ON_TIME):
+            self.outcomes[request_id] = (OutcomeType.ACCURATE_ON_TIME if correct
+                                         else OutcomeType.INACCURATE_ON_TIME)
+
+    # ------------------------------------------------------------------ hooks
+
+    def _schedule(self, clock: float, ordered: list[_QueuedBatch]) -> list[tuple[_QueuedBatch, int, str]]:
+        """Batches to run, in order, each with its gamma and the deciding rule."""
+        raise NotImplementedError
+
+    def _max_batch(self) -> int:
+        return self._pricer.grid.max_batch
+
+    def _blocked_until(self) -> float:
+        """Until when no batch may start (INFaaS while loading a variant)."""
+        return -math.inf
+
+    # ------------------------------------------------------------------ internals
+
+    def _start(self, now: float) -> None:
+        if self.start_time is None:
+            self.start_time = now
+
+    def _free_at(self, now: float, any_idle: bool) -> float:
+        t = now if any_idle or not self._busy_until else max(now, min(self._busy_until.values()))
+        return max(t, self._blocked_until())
+
+    def _evict_hopeless(self, free_at: float) -> list[int]:
+        """Evict requests that miss their deadline even if their batch ran next, fastest."""
+        evicted: list[int] = []
+        for qb in list(self._queue):
+            while qb.requests:
+                t = self._pricer.fastest_seconds(len(qb.requests))
+                hopeless = [r for r in qb.requests if free_at + t >= r.deadline]
+                if not hopeless:
+                    break
+                for r in hopeless:
+                    self.outcomes[r.id] = OutcomeType.EVICTED
+                    evicted.append(r.id)
+                qb.requests = [r for r in qb.requests if free_at + t < r.deadline]
+            if not qb.requests:
+                self._queue.remove(qb)
+        self.counters["evicted"] += len(evicted)
+        return evicted
+
+    def _dispatch(self, qb: _QueuedBatch, gamma: int, source: str, instance: int, now: float) -> Batch:
+        self._queue.remove(qb)
+        pricer = self._pricer
+        n = len(qb.requests)
+        cell = pricer.cell(n, gamma)
+        seconds = pricer.seconds(n, gamma)
+        utility = 0.0
+        for r in qb.requests:
+            acc = pricer.accuracy.of(r.task, gamma)
+            utility += acc * r.utility
+            self._inflight[r.id] = (r, acc)
+            self.request_gamma[r.id] = gamma
+        ids = tuple(r.id for r in qb.requests)
+        start = max(now, self._blocked_until())
+        self._busy_until[instance] = start + seconds
+        self.decisions.append(BatchDecision(now, ids, pricer.model, cell, instance, source, seconds, utility))
+        self.counters["dispatched_batches"] += 1
+        self.counters[f"source_{source}"] += 1
+        self.counters[f"gamma_{gamma}"] += 1
+        return Batch(ids, pricer.model, cell, instance)
+
+    def _wake_at(self, now: float) -> float:
+        wake = math.inf
+        blocked = self._blocked_until()
+        if blocked > now and self._queue:
+            wake = blocked
+        for qb in self._queue:
+            t = self._pricer.fastest_seconds(len(qb.requests))
+            for r in qb.requests:
+                when = r.deadline - t  # from then on the request is hopeless
+                if now < when < wake:
+                    wake = when
+        return wake
+
+
+def _pricer_from(model: str, latency: LatencyProfile, accuracy: AccuracyProfile, grid: ShapeGrid,
+                 gammas: Optional[Iterable[int]]) -> _Pricer:
+    return _Pricer(model, latency, accuracy, grid, tuple(gammas) if gammas is not None else grid.gammas)
+
+
+# --------------------------------------------------------------------------- OTAS
+
+
+class OTASPolicy(SelectiveBatchingPolicy):
+    """OTAS: Alg. 1 batching, then Alg. 2 (DP) or Alg. 3 (load map) per decision."""
+
+    name = "otas"
+
+    def __init__(self, model: str, latency: LatencyProfile, accuracy: AccuracyProfile, grid: ShapeGrid,
+                 gammas: Optional[Iterable[int]] = None, batching: BatchingParams = BatchingParams(),
+                 params: OTASParams = OTASParams(), start_time: Optional[float] = None) -> None:
+        super().__init__(_pricer_from(model, latency, accuracy, grid, gammas), batching,
+                         params.rate_window, start_time)
+        self.params = params
+        self.load_map = LoadToGamma.from_profile(latency, accuracy, grid, self._pricer.gammas, params.headroom)
+        self.last_solution: Optional[DPSolution] = None
+
+    @classmethod
+    def from_cost_model(cls, cost: CostModel, model: str, grid: ShapeGrid, **kwargs) -> "OTASPolicy":
+        return cls(model, cost.latency[model], cost.accuracy[model], grid, **kwargs)
+
+    def _schedule(self, clock, ordered):
+        pricer = self._pricer
+        options = [pricer.options(qb.requests) for qb in ordered]
+        deadlines = [qb.deadline for qb in ordered]
+        in_initial = self.start_time is not None and clock - self.start_time < self.params.initial_stage
+        if len(ordered) <= self.params.beta or in_initial:
+            load_gamma = self.load_map(self.arrival_rate(clock))
+            means = [sum(r.utility for r in qb.requests) / len(qb.requests) for qb in ordered]
+            chosen = manual_allocate(deadlines, means, options, clock, load_gamma, self.params.kappa)
+            self.counters["alg3_runs"] += 1
+            return [(qb, g, "load") for qb, g in zip(ordered, chosen)]
+        solution = solve_token_dp(deadlines, options, clock, self.params.max_labels)
+        self.last_solution = solution
+        self.counters["dp_runs"] += 1
+        self.counters["dp_truncated"] += int(solution.truncated)
+        run = [(qb, g, "dp") for qb, g in zip(ordered, solution.gammas) if g is not None]
+        self.counters["dp_deferred_batches"] += len(ordered) - len(run)
+        if not run:
+            # Every still-feasible batch is worth zero utility: rather than idle, run the
+            # first feasible one at its fastest gamma (it disturbs later work the least).
+            for qb, opts in zip(ordered, options):
+                fast = min(opts, key=lambda o: (o.seconds, o.gamma))
+                if clock + fast.seconds < qb.deadline:
+                    return [(qb, fast.gamma, "backfill")]
+        return run
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+class FixedGammaPolicy(SelectiveBatchingPolicy):
+    """Same batching and eviction as OTAS; every batch runs at one fixed gamma."""
+
+    name = "fixed"
+
+    def __init__(self, model: str, latency: LatencyProfile, accuracy: AccuracyProfile, grid: ShapeGrid,
+                 gamma: int, batching: BatchingParams = BatchingParams(), rate_window: float = 1.0,
+                 start_time: Optional[float] = None) -> None:
+        super().__init__(_pricer_from(model, latency, accuracy, grid, (gamma,)), batching, rate_window, start_time)
+        self.gamma = gamma
+
+    def _schedule(self, clock, ordered):
+        return [(qb, self.gamma, "fixed") for qb in ordered]
+
+
+class PetSPolicy(FixedGammaPolicy):
+    """PetS (Zhou et al., ATC'22) as the paper runs it: tokens unchanged, gamma = 0."""
+
+    name = "pets"
+
+    def __init__(self, model, latency, accuracy, grid, **kwargs) -> None:
+        super().__init__(model, latency, accuracy, grid, gamma=0, **kwargs)
+
+
+class FixedToMePolicy(FixedGammaPolicy):
+    """ToMe with a fixed merge count: gamma < 0 for every batch."""
+
+    name = "tome"
+
+    def __init__(self, model, latency, accuracy, grid, gamma: int, **kwargs) -> None:
+        if gamma >= 0:
+            raise ValueError("ToMe merges tokens: gamma must be negative")
+        super().__init__(model, latency, accuracy, grid, gamma=gamma, **kwargs)
+
+
+class FixedVPTPolicy(FixedGammaPolicy):
+    """VPT with a fixed prompt count: gamma = +2 by default (the paper's VPT baseline)."""
+
+    name = "vpt"
+
+    def __init__(self, model, latency, accuracy, grid, gamma: int = 2, **kwargs) -> None:
+        if gamma <= 0:
+            raise ValueError("VPT adds prompts: gamma must be positive")
+        super().__init__(model, latency, accuracy, grid, gamma=gamma, **kwargs)
+
+
+class INFaaSPolicy(SelectiveBatchingPolicy):
+    """INFaaS-like model switching (Romero et al., ATC'21, as the OTAS paper uses it).
+
+    Every ``decision_interval`` seconds (at a dispatch opportunity) it picks the most
+    accurate variant whose profiled throughput at its largest batch, times ``headroom``,
+    sustains the arrival rate q (mean accuracy over the profiled tasks; the fastest
+    variant if none does). Changing variant costs ``switch_seconds`` (measured weight-load
+    time): the Plan contract has no "load" action, so the policy pays it itself by
+    starting no batch until the load is done (``wake_at`` = end of load); pass 0 when
+    the engine pays a real load. Batches run at gamma 0 on ``Batch.model`` = the variant's
+    name, so the cost model must hold each variant's LatencyProfile under that name. The
+    first variant chosen is loaded for free. Batching and eviction are OTAS's Alg. 1 and
+    hopeless-request rule, priced with the current variant (and its pending load).
+    """
+
+    name = "infaas"
+
+    def __init__(self, variants: Sequence[ModelVariant], switch_seconds: float,
+                 batching: BatchingParams = BatchingParams(), rate_window: float = 1.0,
+                 headroom: float = 0.8, decision_interval: float = 1.0,
+                 start_time: Optional[float] = None) -> None:
+        if not variants:
+            raise ValueError("need at least one variant")
+        if switch_seconds < 0 or decision_interval < 0:
+            raise ValueError("switch_seconds and decision_interval must be >= 0")
+        self.variants = tuple(variants)
+        self.switch_seconds = switch_seconds
+        self.decision_interval = decision_interval
+        self._pricers = {v.name: _Pricer(v.name, v.latency, v.accuracy, v.grid, (0,)) for v in self.variants}
+        if len(self._pricers) != len(self.variants):
+            raise ValueError("variant names must be unique")
+        self._rows = []  # (name, sustainable rate, mean accuracy)
+        for v in self.variants:
+            row = LoadToGamma.from_profile(v.latency, v.accuracy, v.grid, (0,), headroom).rows[0]
+            self._rows.append((v.name, row[1], row[2]))
+        first = self.select_variant(0.0)
+        super().__init__(self._pricers[first], batching, rate_window, start_time)
+        self._loading_until = -math.inf
+        self._last_decision = -math.inf
+
+    @property
+    def current_variant(self) -> str:
+        return self._pricer.model
+
+    def select_variant(self, rate: float) -> str:
+        sustaining = [r for r in self._rows if r[1] >= rate]
+        if not sustaining:
+            return max(self._rows, key=lambda r: r[1])[0]
+        return max(sustaining, key=lambda r: (r[2], r[1]))[0]
+
+    def _max_batch(self) -> int:
+        return min(v.grid.max_batch for v in self.variants)
+
+    def _blocked_until(self) -> float:
+        return self._loading_until
+
+    def _schedule(self, clock, ordered):
+        if clock - self._last_decision >= self.decision_interval:
+            self._last_decision = clock
+            target = self.select_variant(self.arrival_rate(clock))
+            if target != self.current_variant:
+                self._pricer = self._pricers[target]
+                self.counters["switches"] += 1
+                if self.switch_seconds > 0:
+                    self._loading_until = clock + self.switch_seconds
+                    return []
+        return [(qb, 0, "variant") for qb in ordered]

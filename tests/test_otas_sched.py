@@ -1,0 +1,453 @@
+"""OTAS scheduling (jaxserve/sched/otas.py): Alg. 1 batching, Alg. 2 DP, Alg. 3, baselines.
+
+Pure Python, fake clocks, hand-made profiles: every test runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from jaxserve.sched.base import AccuracyProfile, Cell, LatencyProfile, Request, ShapeGrid
+from jaxserve.sched.otas import (
+    BatchingParams,
+    FixedToMePolicy,
+    FixedVPTPolicy,
+    GammaOption,
+    INFaaSPolicy,
+    LoadToGamma,
+    ModelVariant,
+    OTASParams,
+    OTASPolicy,
+    OutcomeType,
+    PetSPolicy,
+    manual_allocate,
+    solve_token_dp,
+)
+
+GAMMAS = (-10, -5, 0, 2, 8)
+SCALE = {-10: 0.5, -5: 0.75, 0: 1.0, 2: 1.25, 8: 2.0}
+GRID = ShapeGrid(batch_sizes=(1, 4, 8), gammas=GAMMAS)
+ACC = {
+    "c10": {-10: 0.80, -5: 0.90, 0: 0.93, 2: 0.97, 8: 0.98},
+    "c100": {-10: 0.50, -5: 0.70, 0: 0.80, 2: 0.88, 8: 0.90},
+}
+
+
+def latency_profile(name="vit", scale=SCALE, grid=GRID) -> LatencyProfile:
+    # latency(b, gamma) = scale(gamma) * (0.01 + 0.005 b): b=8, gamma=0 -> 0.05 s
+    return LatencyProfile(name, {Cell(b, 0, g): scale[g] * (0.01 + 0.005 * b)
+                                 for b in grid.batch_sizes for g in grid.gammas})
+
+
+def accuracy_profile(name="vit", acc=ACC) -> AccuracyProfile:
+    return AccuracyProfile(name, {(t, g): a for t, row in acc.items() for g, a in row.items()})
+
+
+LAT, ACCP = latency_profile(), accuracy_profile()
+
+
+def req(i, t, deadline=math.inf, utility=1.0, task="c10"):
+    return Request(id=i, arrival=t, model="vit", task=task, deadline=deadline, utility=utility)
+
+
+# --------------------------------------------------------------------------- Alg. 2
+
+
+def brute_force(deadlines, options, start):
+    """Max utility over all assignments (None = skip), ties -> earlier finish."""
+    best = None
+    for choice in itertools.product(*[[None, *range(len(o))] for o in options]):
+        clock, utility, ok = start, 0.0, True
+        for d, opts, k in zip(deadlines, options, choice):
+            if k is None:
+                continue
+            clock += opts[k].seconds
+            if not clock < d:
+                ok = False
+                break
+            utility += opts[k].utility
+        if ok and (best is None or utility > best[0] or (utility == best[0] and clock < best[1])):
+            best = (utility, clock)
+    return best
+
+
+def evaluate(deadlines, options, start, gammas):
+    clock, utility = start, 0.0
+    for d, opts, g in zip(deadlines, options, gammas):
+        if g is None:
+            continue
+        o = next(o for o in opts if o.gamma == g)
+        clock += o.seconds
+        assert clock < d, "DP executed a batch past its deadline"
+        utility += o.utility
+    return utility, clock
+
+
+def test_dp_equals_brute_force_on_random_instances():
+    rng = random.Random(7)
+    ties = 0
+    for _ in range(400):
+        n = rng.randint(1, 5)
+        g = rng.randint(1, 4)
+        start = rng.choice([0.0, 1.0])
+        # Quarter/eighth grids make sums exact in binary, so utility and clock ties are real.
+        options = [[GammaOption(gamma, rng.randint(1, 8) / 8, rng.randint(0, 8) / 4) for gamma in range(g)]
+                   for _ in range(n)]
+        deadlines = sorted(start + rng.randint(1, 4 * n) / 4 for _ in range(n))
+        sol = solve_token_dp(deadlines, options, start)
+        expect = brute_force(deadlines, options, start)
+        assert not sol.truncated
+        assert (sol.utility, sol.finish) == expect
+        assert evaluate(deadlines, options, start, sol.gammas) == expect
+        ties += sum(1 for o in options if len({x.utility for x in o}) < len(o))
+    assert ties > 50  # the generator really produced tie situations
+
+
+def test_dp_tie_prefers_earlier_clock():
+    # One batch: two gammas with the same utility -> the faster one.
+    opts = [[GammaOption(2, 0.4, 1.0), GammaOption(-5, 0.1, 1.0)]]
+    sol = solve_token_dp([10.0], opts, 0.0)
+    assert sol.gammas == (-5,) and sol.finish == 0.1
+    # Two batches whose plans tie on utility: (A fast, B slow) vs (A slow, B fast) vs both
+    # medium; the earliest total clock wins.
+    a = [GammaOption(0, 0.5, 1.0), GammaOption(8, 0.25, 1.0)]
+    b = [GammaOption(0, 0.5, 2.0), GammaOption(8, 0.375, 2.0)]
+    sol = solve_token_dp([5.0, 5.0], [a, b], 0.0)
+    assert sol.gammas == (8, 8) and sol.finish == 0.625 and sol.utility == 3.0
+
+
+def test_zero_utility_path_never_beats_a_feasible_one():
+    # The paper's init (dp=0, C=T) lets a zero-utility execution keep clock T for free and
+    # argmax over a row of zeros return it. Batch 1 is worth nothing and slow; batch 2 is
+    # feasible only if batch 1 is skipped.
+    opts = [[GammaOption(0, 0.8, 0.0)], [GammaOption(0, 0.5, 0.6)]]
+    sol = solve_token_dp([1.0, 1.0], opts, 0.0)
+    assert sol.gammas == (None, 0) and sol.utility == 0.6 and sol.finish == 0.5
+    # All-zero utility: nothing is executed, clock stays at the start.
+    sol = solve_token_dp([1.0], [[GammaOption(0, 0.2, 0.0)]], 3.0)
+    assert sol.gammas == (None,) and sol.utility == 0.0 and sol.finish == 3.0
+    # A feasible positive plan always beats the empty one, whatever the option order.
+    for perm in itertools.permutations([GammaOption(-5, 0.1, 0.0), GammaOption(0, 0.2, 0.3),
+                                        GammaOption(8, 2.0, 0.9)]):
+        sol = solve_token_dp([1.0], [list(perm)], 0.0)
+        assert sol.gammas == (0,) and sol.utility == 0.3
+
+
+def test_dp_infeasible_batch_is_not_executed_and_low_value_batch_is_dropped():
+    # Batch 1 cannot meet its deadline at any gamma -> l_b = 0.
+    opts = [[GammaOption(-5, 0.3, 1.0), GammaOption(0, 0.5, 1.2)], [GammaOption(0, 0.2, 1.0)]]
+    sol = solve_token_dp([0.25, 2.0], opts, 0.0)
+    assert sol.gammas == (None, 0)
+    # Batch 1 is cheap in value; running it would make batch 2 (worth more) miss.
+    opts = [[GammaOption(0, 0.5, 0.1)], [GammaOption(0, 0.6, 5.0)]]
+    sol = solve_token_dp([1.0, 1.0], opts, 0.0)
+    assert sol.gammas == (None, 0) and sol.utility == 5.0
+
+
+def one_label_per_gamma_dp(deadlines, options, start):
+    """The paper's table: one (utility, clock) per (b, l_b), higher utility kept (with
+    -inf for absent states and the earlier clock on ties, i.e. fixes 1 and 2 only)."""
+    row = {0: (0.0, start)}
+    for d, opts in zip(deadlines, options):
+        new = {0: max(row.values(), key=lambda uc: (uc[0], -uc[1]))}
+        for lb, o in enumerate(opts, start=1):
+            cands = [(u + o.utility, c + o.seconds) for u, c in row.values() if c + o.seconds < d]
+            if cands:
+                new[lb] = max(cands, key=lambda uc: (uc[0], -uc[1]))
+        row = new
+    return max(row.values(), key=lambda uc: (uc[0], -uc[1]))
+
+
+def test_dp_is_exact_where_one_label_per_gamma_is_not():
+    # Optimum: batch 1 at its fast, lower-utility gamma so that batches 2 and 3 both fit.
+    # The (b, l_b) table keeps only the best-utility prefix reaching (2, run) — batch 1
+    # slow, finishing at 1.0 — and batch 3 then misses its deadline.
+    b1 = [GammaOption(-5, 0.25, 1.0), GammaOption(8, 0.75, 1.5)]
+    b2 = [GammaOption(0, 0.25, 1.0)]
+    b3 = [GammaOption(0, 0.25, 1.0)]
+    deadlines = [1.0, 1.2, 1.2]  # EDD order
+    assert one_label_per_gamma_dp(deadlines, [b1, b2, b3], 0.0) == (2.5, 1.0)
+    sol = solve_token_dp(deadlines, [b1, b2, b3], 0.0)
+    assert sol.gammas == (-5, 0, 0) and (sol.utility, sol.finish) == (3.0, 0.75)
+    assert (sol.utility, sol.finish) == brute_force(deadlines, [b1, b2, b3], 0.0)
+
+
+def test_dp_frontier_truncation_is_reported():
+    rng = random.Random(3)
+    options = [[GammaOption(g, rng.random(), rng.random()) for g in range(4)] for _ in range(12)]
+    sol = solve_token_dp([1e9] * 12, options, 0.0, max_labels=4)
+    assert sol.truncated and sol.max_frontier == 4
+    assert all(g is not None for g in sol.gammas)  # infinite slack: everything runs
+
+
+# --------------------------------------------------------------------------- Alg. 3
+
+
+def test_load_map_from_profile_picks_expected_gammas():
+    f = LoadToGamma.from_profile(LAT, ACCP, GRID, GAMMAS, headroom=0.8)
+    # sustainable rates: 0.8 * 8 / latency(8, g) = 256, 170.7, 128, 102.4, 64 req/s
+    rates = {g: r for g, r, _ in f.rows}
+    assert rates[8] == pytest.approx(64) and rates[-10] == pytest.approx(256)
+    assert [f(q) for q in (0, 10, 60, 70, 100, 110, 125, 150, 200, 250, 400)] == \
+        [8, 8, 8, 2, 2, 0, 0, -5, -10, -10, -10]
+    assert [g for _, g in f.table()] == [8, 2, 0, -5, -10]
+
+
+def test_load_map_prefers_accuracy_not_gamma_order():
+    # A profile where prompts do not help: gamma 2 is slower and no more accurate than 0.
+    acc = accuracy_profile(acc={"c10": {-10: 0.8, -5: 0.9, 0: 0.95, 2: 0.95, 8: 0.94}})
+    f = LoadToGamma.from_profile(LAT, acc, GRID, GAMMAS)
+    assert f(10) == 0
+
+
+def test_manual_allocate_branches():
+    def opts(scale=1.0):
+        return [GammaOption(g, SCALE[g] * 0.1 * scale, ACC["c10"][g]) for g in GAMMAS]
+
+    # (deadline, mean utility): fits at f(q)=0 -> 0; misses at f(q) -> min gamma;
+    # critical (mean u > kappa) -> most accurate gamma that still fits.
+    gammas = manual_allocate(
+        deadlines=[10.0, 10.08, 11.0],
+        mean_utilities=[0.3, 0.3, 0.9],
+        options=[opts(), opts(), opts()],
+        start=10.0, load_gamma=0, kappa=0.8)
+    # batch 1: 10 + 0.1 < 10.0? no -> -10 (t = 0.05, clock 10.05)
+    # batch 2: 10.05 + 0.1 >= 10.08 -> -10 (clock 10.10)
+    # batch 3: fits; critical -> gamma 8 (10.10 + 0.2 < 11)
+    assert gammas == (-10, -10, 8)
+    # Plain batch with slack gets f(q); a critical batch whose max gamma would miss gets
+    # the most accurate gamma that fits (2: 0.125 s), not max(L) (8: 0.2 s).
+    assert manual_allocate([5.0], [0.1], [opts()], 0.0, load_gamma=-5, kappa=0.8) == (-5,)
+    assert manual_allocate([0.15], [1.0], [opts()], 0.0, load_gamma=0, kappa=0.8) == (2,)
+
+
+# --------------------------------------------------------------------------- Alg. 1
+
+
+def otas(**kw):
+    return OTASPolicy("vit", LAT, ACCP, GRID, **kw)
+
+
+def test_batching_respects_delta():
+    p = otas(batching=BatchingParams(delta=0.5, epsilon=64, eta=10, mu=0.0))
+    p.on_arrival(req(0, 0.0, deadline=5), 0.0)
+    p.on_arrival(req(1, 0.49, deadline=5), 0.49)  # first request waited 0.49 < 0.5
+    p.on_arrival(req(2, 0.5, deadline=5), 0.5)  # waited 0.5: batch closed to joins
+    assert p.queued_batches() == ((0, 1), (2,))
+
+
+def test_batching_respects_epsilon_and_grid_cap():
+    p = otas(batching=BatchingParams(delta=10, epsilon=3, eta=10, mu=0.0))
+    for i in range(7):
+        p.on_arrival(req(i, 0.0, deadline=5), 0.0)
+    assert p.queued_batches() == ((0, 1, 2), (3, 4, 5), (6,))
+    p = otas(batching=BatchingParams(delta=10, epsilon=64, eta=10, mu=0.0))  # grid max is 8
+    for i in range(10):
+        p.on_arrival(req(i, 0.0, deadline=5), 0.0)
+    assert [len(b) for b in p.queued_batches()] == [8, 2]
+
+
+def test_batching_respects_eta():
+    p = otas(batching=BatchingParams(delta=10, epsilon=64, eta=0.5, mu=0.0))
+    p.on_arrival(req(0, 0.0, deadline=1.0), 0.0)
+    p.on_arrival(req(1, 0.0, deadline=1.5), 0.0)  # |1.5 - 1.0| = 0.5 <= eta
+    p.on_arrival(req(2, 0.0, deadline=1.6), 0.0)  # 0.6 from d_b = 1.0
+    p.on_arrival(req(3, 0.0, deadline=0.6), 0.0)  # 0.4 before d_b: joins, d_b -> 0.6
+    p.on_arrival(req(4, 0.0, deadline=1.2), 0.0)  # 0.6 from the new d_b -> batch 2
+    assert p.queued_batches() == ((0, 1, 3), (2, 4))
+
+
+def test_batching_respects_mu_as_ratio_to_first_utility():
+    p = otas(batching=BatchingParams(delta=10, epsilon=64, eta=10, mu=0.8))
+    p.on_arrival(req(0, 0.0, deadline=5, utility=0.3), 0.0)
+    p.on_arrival(req(1, 0.0, deadline=5, utility=0.25), 0.0)  # 0.83 >= 0.8
+    p.on_arrival(req(2, 0.0, deadline=5, utility=0.2), 0.0)  # 0.67 vs u_b = 0.3
+    p.on_arrival(req(3, 0.0, deadline=5, utility=0.01), 0.0)
+    p.on_arrival(req(4, 0.0, deadline=5, utility=0.0), 0.0)
+    p.on_arrival(req(5, 0.0, deadline=5, utility=0.0), 0.0)
+    assert p.queued_batches() == ((0, 1), (2,), (3,), (4, 5))
+
+
+# --------------------------------------------------------------------------- policy
+
+
+def drive(policy, requests, instances=(0,), slowdown=lambda i: 1.0, price=None, check=None):
+    """A tiny discrete-event loop with a fake clock; returns (batches, evicted ids).
+
+    A batch runs for ``price(batch)`` (default: its cell's profiled latency) times
+    ``slowdown(index of the batch)``.
+    """
+    price = price or (lambda b: LAT.latency(b.cell))
+    pending = sorted(requests, key=lambda r: r.arrival)
+    running = {}  # instance -> (finish, batch)
+    batches, evicted = [], []
+    now, wake, steps = 0.0, math.inf, 0
+    while pending or running or policy.queue_depth():
+        steps += 1
+        assert steps < 100_000
+        t_arr = pending[0].arrival if pending else math.inf
+        t_done = min((f for f, _ in running.values()), default=math.inf)
+        now = min(t_arr, t_done, wake)
+        assert now < math.inf, "policy holds requests with nothing left to wake it"
+        for inst, (f, b) in list(running.items()):
+            if f <= now:
+                del running[inst]
+                policy.on_completion(b, now)
+        while pending and pending[0].arrival <= now:
+            policy.on_arrival(pending.pop(0), now)
+        idle = [i for i in instances if i not in running]
+        plan = policy.plan(now, idle)
+        wake = plan.wake_at
+        evicted.extend(plan.evict)
+        for b in plan.batches:
+            assert b.instance in idle and b.instance not in running
+            if check:
+                check(b)
+            running[b.instance] = (now + price(b) * slowdown(len(batches)), b)
+            batches.append(b)
+    return batches, evicted
+
+
+def bursty_requests(seed, n=400):
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    for i in range(n):
+        rate = 400.0 if (t % 2.0) > 1.2 else 60.0  # bursts above capacity, then calm
+        t += rng.expovariate(rate)
+        task, slo, u = rng.choice([("c10", 0.3, 0.3), ("c10", 0.6, 0.01), ("c100", 0.3, 1.0),
+                                   ("c100", 0.6, 0.2)])
+        out.append(req(i, t, deadline=t + slo, utility=u, task=task))
+    return out
+
+
+def check_cell(policy, grid=GRID):
+    def check(b):
+        assert b.cell == grid.cell_for(len(b.request_ids), 0, b.cell.gamma)
+    return check
+
+
+@pytest.mark.parametrize("instances", [(0,), (0, 1)])
+def test_otas_never_loses_a_request(instances):
+    requests = bursty_requests(1)
+    p = otas()
+    batches, evicted = drive(p, requests, instances, slowdown=lambda i: 1.6 if i % 7 == 0 else 1.0,
+                             check=check_cell(p))
+    ids = [i for b in batches for i in b.request_ids] + evicted
+    assert sorted(ids) == [r.id for r in requests]  # each id exactly once
+    assert set(p.outcomes) == {r.id for r in requests}
+    assert {p.outcomes[i] for i in evicted} == {OutcomeType.EVICTED}
+    served = {i for b in batches for i in b.request_ids}
+    assert all(p.outcomes[i] in (OutcomeType.ACCURATE_ON_TIME, OutcomeType.LATE) for i in served)
+    assert all(p.request_gamma[i] == b.cell.gamma for b in batches for i in b.request_ids)
+    assert p.counters["alg3_runs"] > 0 and p.counters["dp_runs"] > 0  # both paths exercised
+    assert p.counters["late"] > 0 and p.counters["evicted"] > 0  # the run was really stressed
+    assert len({b.cell.gamma for b in batches}) > 1  # adapts gamma
+    assert p.queue_depth() == 0
+
+
+def test_otas_uses_alg3_in_initial_stage_and_dp_after():
+    p = otas(batching=BatchingParams(delta=10, epsilon=1, eta=10, mu=0.0),
+             params=OTASParams(beta=2, initial_stage=2.0), start_time=0.0)
+    for i in range(4):
+        p.on_arrival(req(i, 1.0, deadline=100.0), 1.0)
+    plan = p.plan(1.0, [0])
+    assert p.decisions[-1].source == "load" and len(plan.batches) == 1
+    for i in range(4, 8):
+        p.on_arrival(req(i, 3.0, deadline=100.0), 3.0)
+    p.on_completion(plan.batches[0], 3.0)
+    p.plan(3.0, [0])  # 6 batches > beta, past the initial stage
+    assert p.decisions[-1].source == "dp"
+    assert p.decisions[-1].gamma == 8  # slack everywhere: most accurate gamma
+
+
+def test_hopeless_requests_are_evicted_with_type_4():
+    p = otas(start_time=0.0)
+    p.on_arrival(req(0, 0.0, deadline=0.004), 0.0)  # fastest run takes 0.0075 s
+    p.on_arrival(req(1, 0.0, deadline=1.0, utility=0.9), 0.0)
+    plan = p.plan(0.0, [0])
+    assert plan.evict == (0,) and p.outcomes[0] == OutcomeType.EVICTED
+    assert [b.request_ids for b in plan.batches] == [(1,)]
+    # q = 2 req / 0.1 s = 20 req/s -> f(q) = 8: request 1 runs 0.03 s at gamma 8.
+    assert plan.batches[0].cell == Cell(1, 0, 8)
+    # With no idle instance the start is the busy instance's estimated finish: 0.03 +
+    # 0.0075 >= 0.035 although 0.0075 alone would have fit.
+    p.on_arrival(req(2, 0.0, deadline=0.035), 0.0)
+    busy = p.plan(0.0, [])
+    assert busy.evict == (2,) and busy.batches == ()
+
+
+def test_outcome_types_1_2_3():
+    p = otas(start_time=0.0)
+    p.on_arrival(req(0, 0.0, deadline=0.5), 0.0)
+    (b,) = p.plan(0.0, [0]).batches
+    p.on_completion(b, 0.4)
+    assert p.outcomes[0] == OutcomeType.ACCURATE_ON_TIME
+    p.record_correctness(0, False)
+    assert p.outcomes[0] == OutcomeType.INACCURATE_ON_TIME
+    p.on_arrival(req(1, 1.0, deadline=1.5), 1.0)
+    (b,) = p.plan(1.0, [0]).batches
+    p.on_completion(b, 1.6)
+    assert p.outcomes[1] == OutcomeType.LATE
+    p.record_correctness(1, False)
+    assert p.outcomes[1] == OutcomeType.LATE
+
+
+def test_wake_at_lets_caller_evict_deferred_request():
+    # A zero-utility request on an otherwise empty queue is backfilled, not held forever.
+    p = otas(params=OTASParams(beta=0, initial_stage=0.0), start_time=0.0)
+    p.on_arrival(req(0, 0.0, deadline=1.0, utility=0.0), 0.0)
+    plan = p.plan(0.0, [0])
+    assert [b.request_ids for b in plan.batches] == [(0,)] and p.decisions[-1].source == "backfill"
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def test_fixed_gamma_baselines_pick_their_gammas():
+    requests = bursty_requests(2, n=150)
+    for policy, gamma in [(PetSPolicy("vit", LAT, ACCP, GRID), 0),
+                          (FixedToMePolicy("vit", LAT, ACCP, GRID, gamma=-10), -10),
+                          (FixedVPTPolicy("vit", LAT, ACCP, GRID), 2)]:
+        batches, evicted = drive(policy, requests, check=check_cell(policy))
+        assert {b.cell.gamma for b in batches} == {gamma}
+        assert sorted([i for b in batches for i in b.request_ids] + evicted) == [r.id for r in requests]
+    with pytest.raises(ValueError):
+        FixedToMePolicy("vit", LAT, ACCP, GRID, gamma=2)
+
+
+def variants():
+    grid = ShapeGrid(batch_sizes=(1, 4, 8), gammas=(0,))
+    out = []
+    for name, scale, acc in [("vit-s", 0.5, 0.85), ("vit-b", 1.0, 0.93), ("vit-l", 3.0, 0.97)]:
+        lat = LatencyProfile(name, {Cell(b, 0, 0): scale * (0.01 + 0.005 * b) for b in grid.batch_sizes})
+        accp = AccuracyProfile(name, {("c10", 0): acc, ("c100", 0): acc - 0.1})
+        out.append(ModelVariant(name, lat, accp, grid))
+    return out
+
+
+def test_infaas_switches_variant_with_load_and_pays_switch_cost():
+    # Sustainable rates (headroom 0.8, batch 8): S 256, B 128, L 42.7 req/s.
+    p = INFaaSPolicy(variants(), switch_seconds=0.3, decision_interval=1.0, start_time=0.0)
+    assert p.current_variant == "vit-l"  # idle: most accurate
+    for i in range(5):  # 5 req in 0.05 s -> 50 req/s: L cannot keep up, B can
+        p.on_arrival(req(i, 0.01 * i, deadline=10.0), 0.01 * i)
+    plan = p.plan(0.05, [0])
+    assert plan.batches == () and p.current_variant == "vit-b" and plan.wake_at == pytest.approx(0.35)
+    assert p.plan(0.2, [0]).batches == ()  # still loading
+    plan = p.plan(0.35, [0])
+    assert [b.model for b in plan.batches] == ["vit-b"] and plan.batches[0].cell.gamma == 0
+    assert p.counters["switches"] == 1
+
+
+def test_infaas_never_loses_a_request():
+    vs = variants()
+    by_name = {v.name: v.latency for v in vs}
+    p = INFaaSPolicy(vs, switch_seconds=0.2)
+    requests = bursty_requests(3, n=300)
+    batches, evicted = drive(p, requests, price=lambda b: by_name[b.model].latency(b.cell))
+    assert sorted([i for b in batches for i in b.request_ids] + evicted) == [r.id for r in requests]
+    assert len({b.model for b in batches}) >= 2 and p.counters["switches"] >= 1
