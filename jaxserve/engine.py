@@ -1,0 +1,273 @@
+"""The live engine: queues, futures, the clock and the executor workers.
+
+Requests are stamped on arrival (``time.monotonic``), handed to the policy, and the
+policy's :class:`~jaxserve.sched.base.Plan` is carried out: batches go to executor
+workers (threads: XLA releases the GIL while it computes, so the asyncio loop never
+blocks), evictions are answered ``evicted``, and ``plan.wake_at`` arms a timer.
+Completions come back to the loop thread, are reported to the policy, and trigger
+the next plan. Every policy call happens on the loop thread, so policies need no
+locks and stay plain Python.
+
+Guarantees (tested through HTTP in tests/test_server.py):
+
+* every accepted item gets exactly one answer: ``ok``, ``late``, ``evicted`` or an error;
+* admission is bounded: past ``max_queue`` queued items a submission is refused with
+  :class:`Overloaded` (HTTP 429) before anything is queued, never half-queued;
+* a batch whose execution raises is retried once; if it fails again its items are
+  answered with an error and the worker slot is restarted (``worker_restarts``);
+* :meth:`Engine.drain` stops admission and waits for in-flight work (SIGTERM path).
+
+A crash that kills the whole process (a native fault in XLA) is outside what a
+thread can catch; run the server under a supervisor (systemd, Kubernetes) for that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from jaxserve.compile_cache import compile_count
+from jaxserve.runtime import BatchOutput, ModelRuntime
+from jaxserve.sched.base import Batch, Policy, Request
+
+log = logging.getLogger("jaxserve.engine")
+
+
+class Overloaded(RuntimeError):
+    """The bounded queue is full: answer 429 and ask the client to retry later."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Draining(RuntimeError):
+    """The engine is shutting down and admits nothing new (HTTP 503)."""
+
+
+class ExecutionFailed(RuntimeError):
+    """A batch failed twice on its worker; its items are answered with this error."""
+
+
+@dataclass(frozen=True)
+class Item:
+    """One input of a request, as the engine queues it."""
+
+    model: str
+    payload: Any  # token ids (text) or a float32 [H, W, C] image
+    length: int = 0
+    task: str = ""
+    slo_ms: float | None = None
+    utility: float = 1.0
+
+
+@dataclass
+class Answer:
+    outputs: dict[str, Any]
+    outcome: str  # "ok", "late" or "evicted"
+    cell: str = ""
+    batch_size: int = 0
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
+
+
+@dataclass
+class _Pending:
+    item: Item
+    request: Request
+    future: asyncio.Future
+
+
+@dataclass
+class EngineStats:
+    outcomes: Counter = field(default_factory=Counter)
+    batches: int = 0
+    worker_restarts: int = 0
+    retries: int = 0
+    observers: list[Callable[[Batch, BatchOutput, list[_Pending], float], None]] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(
+        self,
+        runtimes: dict[str, ModelRuntime],
+        policy: Policy,
+        instances: int = 1,
+        max_queue: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if instances < 1:
+            raise ValueError("instances must be >= 1")
+        self.runtimes = runtimes
+        self.policy = policy
+        self.instances = instances
+        self.max_queue = max_queue
+        self.clock = clock
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._queued: dict[int, _Pending] = {}
+        self._running: dict[int, list[_Pending]] = {}  # instance -> its batch
+        self._idle: list[int] = list(range(instances))
+        self._pool = ThreadPoolExecutor(max_workers=instances, thread_name_prefix="jaxserve-worker")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+        self._draining = False
+        self._idle_event: asyncio.Event | None = None
+        self.compiles_at_ready = compile_count()
+
+    # -------------------------------------------------------------- admission
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queued)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queued) + sum(len(b) for b in self._running.values())
+
+    def submit(self, items: Sequence[Item]) -> list[asyncio.Future]:
+        """Queue all ``items`` or none of them; returns one future per item."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        if self._draining:
+            raise Draining("server is shutting down")
+        if len(self._queued) + len(items) > self.max_queue:
+            raise Overloaded(
+                f"queue full: {len(self._queued)} queued + {len(items)} new > max_queue {self.max_queue}",
+                retry_after_s=self._retry_after(),
+            )
+        now = self.clock()
+        futures = []
+        for item in items:
+            rid = next(self._ids)
+            deadline = now + item.slo_ms / 1000.0 if item.slo_ms is not None else math.inf
+            request = Request(rid, now, item.model, item.task, item.length, deadline, item.utility)
+            fut = self._loop.create_future()
+            self._queued[rid] = _Pending(item, request, fut)
+            self.policy.on_arrival(request, now)
+            futures.append(fut)
+        self._schedule()
+        return futures
+
+    def _retry_after(self) -> float:
+        return max(1.0, round(len(self._queued) * 0.01, 1))
+
+    # ------------------------------------------------------------- scheduling
+    def _schedule(self) -> None:
+        now = self.clock()
+        plan = self.policy.plan(now, tuple(self._idle))
+        for rid in plan.evict:
+            p = self._queued.pop(rid, None)
+            if p is not None and not p.future.done():
+                self.stats.outcomes["evicted"] += 1
+                p.future.set_result(Answer({}, "evicted", queue_ms=(now - p.request.arrival) * 1e3))
+        for batch in plan.batches:
+            self._dispatch(batch, now)
+        self._arm_timer(plan.wake_at)
+        self._maybe_idle()
+
+    def _arm_timer(self, wake_at: float) -> None:
+        """Keep one timer, at the earliest wake-up any plan asked for."""
+        if wake_at >= self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = wake_at
+        self._timer = self._loop.call_later(max(0.0, wake_at - self.clock()), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = math.inf
+        self._schedule()
+
+    def _dispatch(self, batch: Batch, now: float) -> None:
+        if batch.instance not in self._idle:
+            raise RuntimeError(f"policy assigned busy instance {batch.instance}")
+        pendings = [self._queued.pop(rid) for rid in batch.request_ids]
+        self._idle.remove(batch.instance)
+        self._running[batch.instance] = pendings
+        runtime = self.runtimes[batch.model]
+        payloads = [p.item.payload for p in pendings]
+        tasks = [p.item.task for p in pendings]
+        started = now
+        self.stats.batches += 1
+
+        def work() -> BatchOutput:
+            try:
+                return runtime.execute(batch.cell, payloads, tasks)
+            except Exception:
+                log.exception("batch %s failed on instance %d; retrying once", batch.cell.label(), batch.instance)
+                self.stats.retries += 1
+                return runtime.execute(batch.cell, payloads, tasks)
+
+        cf = self._pool.submit(work)
+        cf.add_done_callback(
+            lambda f: self._loop.call_soon_threadsafe(self._on_complete, batch, pendings, started, f)
+        )
+
+    def _on_complete(self, batch: Batch, pendings: list[_Pending], started: float, f) -> None:
+        now = self.clock()
+        self._running.pop(batch.instance, None)
+        self._idle.append(batch.instance)
+        self._idle.sort()
+        try:
+            self.policy.on_completion(batch, now)
+        except Exception:  # a policy bug must not strand the batch's answers
+            log.exception("policy.on_completion failed")
+        exc = f.exception()
+        if exc is not None:
+            self._restart_worker(batch.instance)
+            for p in pendings:
+                if not p.future.done():
+                    self.stats.outcomes["error"] += 1
+                    p.future.set_exception(ExecutionFailed(f"{type(exc).__name__}: {exc}"))
+        else:
+            out: BatchOutput = f.result()
+            for obs in self.stats.observers:
+                obs(batch, out, pendings, now - started)
+            for p, item_out in zip(pendings, out.items):
+                outcome = "ok" if now <= p.request.deadline else "late"
+                self.stats.outcomes[outcome] += 1
+                if not p.future.done():
+                    p.future.set_result(Answer(
+                        item_out, outcome, cell=batch.cell.label(), batch_size=len(pendings),
+                        queue_ms=(started - p.request.arrival) * 1e3, compute_ms=out.compute_seconds * 1e3,
+                    ))
+        self._schedule()
+
+    def _restart_worker(self, instance: int) -> None:
+        """Replace the worker pool slot: the failed thread's state is not trusted again."""
+        self.stats.worker_restarts += 1
+        old = self._pool
+        self._pool = ThreadPoolExecutor(max_workers=self.instances, thread_name_prefix="jaxserve-worker")
+        old.shutdown(wait=False)
+
+    # --------------------------------------------------------------- shutdown
+    def _maybe_idle(self) -> None:
+        if self._idle_event is not None and self.in_flight == 0:
+            self._idle_event.set()
+
+    async def drain(self, timeout_s: float = 30.0) -> bool:
+        """Stop admitting, finish everything accepted; True when nothing was left behind."""
+        self._draining = True
+        if self.in_flight == 0:
+            return True
+        self._idle_event = asyncio.Event()
+        self._maybe_idle()
+        try:
+            await asyncio.wait_for(self._idle_event.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._pool.shutdown(wait=True)

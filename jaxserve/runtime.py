@@ -1,0 +1,94 @@
+"""Model runtimes: what an executor worker does with one planned batch.
+
+A runtime owns a warmed :class:`~jaxserve.polymorph.PolymorphTable`, the weights and
+the task heads of one model. ``execute`` pads the batch into its cell (through the
+table's padding helpers), runs the executable and returns one result per item. It
+never compiles: a cell outside the warmed grid raises ``NotWarmError``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from jaxserve.polymorph import PolymorphTable, pad_image_batch, pad_token_batch, unpad_rows
+from jaxserve.sched.base import Cell, ShapeGrid
+
+
+@dataclass(frozen=True)
+class TaskHead:
+    """A linear classification head: ``softmax(features @ weight + bias)``."""
+
+    name: str
+    labels: tuple[str, ...]
+    weight: np.ndarray  # [features, classes]
+    bias: np.ndarray  # [classes]
+    feature: str = "embedding"  # which executable output it reads
+    accuracy: float | None = None  # held-out accuracy reported by its training script
+
+    def probabilities(self, features: np.ndarray) -> np.ndarray:
+        logits = features @ self.weight + self.bias
+        logits = logits - logits.max(axis=-1, keepdims=True)
+        e = np.exp(logits)
+        return e / e.sum(axis=-1, keepdims=True)
+
+    def save(self, path: str | Path) -> None:
+        np.savez(
+            path, labels=np.array(self.labels), weight=self.weight, bias=self.bias,
+            feature=np.array(self.feature), accuracy=np.array(-1.0 if self.accuracy is None else self.accuracy),
+        )
+
+    @classmethod
+    def load(cls, name: str, path: str | Path) -> "TaskHead":
+        z = np.load(path)
+        acc = float(z["accuracy"])
+        return cls(name, tuple(str(x) for x in z["labels"]), z["weight"].astype(np.float32),
+                   z["bias"].astype(np.float32), str(z["feature"]), None if acc < 0 else acc)
+
+
+@dataclass
+class BatchOutput:
+    items: list[dict[str, Any]]
+    compute_seconds: float
+
+
+@dataclass
+class ModelRuntime:
+    """One served model: table + weights + heads; ``kind`` is "text" or "image"."""
+
+    name: str
+    table: PolymorphTable
+    weights: Any
+    heads: dict[str, TaskHead] = field(default_factory=dict)
+    tokenizer: Any = None
+    image_shape: tuple[int, int, int] | None = None  # (H, W, C) for image models
+
+    @property
+    def kind(self) -> str:
+        return self.table.servable.kind
+
+    @property
+    def grid(self) -> ShapeGrid:
+        return self.table.servable.grid
+
+    def execute(self, cell: Cell, payloads: Sequence[Any], tasks: Sequence[str]) -> BatchOutput:
+        t0 = time.perf_counter()
+        if self.kind == "text":
+            inputs = pad_token_batch(payloads, cell, pad_id=getattr(self.tokenizer, "pad_id", 0))
+        else:
+            inputs = (pad_image_batch(np.stack(payloads), cell),)
+        outputs = unpad_rows(self.table.run(cell, self.weights, *inputs), len(payloads))
+        items = []
+        for i, task in enumerate(tasks):
+            item = {k: v[i] for k, v in outputs.items()}
+            if task:
+                head = self.heads[task]
+                probs = head.probabilities(item[head.feature][None])[0]
+                item["probabilities"] = probs
+                item["label"] = head.labels[int(np.argmax(probs))]
+            items.append(item)
+        return BatchOutput(items, time.perf_counter() - t0)

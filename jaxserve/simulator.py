@@ -1,0 +1,347 @@
+"""A discrete-event simulator that drives the live engine's policy objects.
+
+The virtual clock jumps from event to event: arrivals (from the trace), batch
+completions (a heap) and the policy's own wake-up (``Plan.wake_at``; each plan
+supersedes the previous one's). At every event the simulator makes the same
+callbacks the engine makes — ``on_arrival`` / ``on_completion`` with the virtual
+``now``, then ``plan(now, idle_instances)`` — and starts each planned batch at
+once on its instance. A batch takes ``cost_model.latency[model].latency(cell)``
+seconds, optionally times a mean-one log-normal noise, or whatever a
+caller-supplied ``service_time(batch)`` says (e.g. a dynamic-shape penalty).
+
+Simultaneous events run completions first (they free instances), then arrivals
+in trace order, then the wake-up; ``plan`` is called after each one.
+
+Admission is the engine's: a request the policy's bounded queue cannot take
+(``policy.admits(model)`` if the policy has it, else ``queue_depth() <
+max_queue``) is *rejected* (HTTP 429). Every request ends in exactly one outcome:
+``ok`` (finished by its deadline), ``late``, ``evicted`` or ``rejected``; the
+simulator checks the plans it is given (idle instances only, each request queued
+exactly once) and raises if a policy breaks that contract or strands requests.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from heapq import heappop, heappush
+from typing import Callable
+
+import numpy as np
+
+from jaxserve.sched.base import Batch, Cell, CostModel, Policy, Request
+from jaxserve.traces import Trace
+
+__all__ = ["OUTCOMES", "OK", "LATE", "EVICTED", "REJECTED", "SimResult", "simulate"]
+
+OUTCOMES = ("ok", "late", "evicted", "rejected")
+OK, LATE, EVICTED, REJECTED = range(4)
+_INF = math.inf
+_PENDING, _QUEUED, _RUNNING, _DONE = range(4)
+
+
+@dataclass(frozen=True, eq=False)
+class SimResult:
+    """Per-request and per-batch records of one simulated run (numpy arrays).
+
+    Per request ``i`` (= trace index): ``arrival``, ``deadline``, ``length``,
+    ``start`` (batch start, nan if never run), ``finish`` (when the client got its
+    answer: batch end, eviction time, or arrival for a rejection), ``outcome``
+    (index into :data:`OUTCOMES`), ``batch`` (index of its batch, -1 if none),
+    ``cell_batch`` / ``cell_seq`` / ``cell_gamma`` (its executable, 0 if none).
+    Per batch ``j``: ``batch_start``, ``batch_finish``, ``batch_count`` (real
+    requests), ``batch_instance``.
+    """
+
+    arrival: np.ndarray
+    deadline: np.ndarray
+    length: np.ndarray
+    start: np.ndarray
+    finish: np.ndarray
+    outcome: np.ndarray
+    batch: np.ndarray
+    cell_batch: np.ndarray
+    cell_seq: np.ndarray
+    cell_gamma: np.ndarray
+    batch_start: np.ndarray
+    batch_finish: np.ndarray
+    batch_count: np.ndarray
+    batch_instance: np.ndarray
+    instances: int
+
+    def __len__(self) -> int:
+        return len(self.arrival)
+
+    # -- counts ------------------------------------------------------------------
+
+    def outcome_counts(self) -> dict[str, int]:
+        counts = np.bincount(self.outcome, minlength=len(OUTCOMES))
+        return {name: int(c) for name, c in zip(OUTCOMES, counts)}
+
+    def completed(self) -> np.ndarray:
+        """Mask of requests that ran to completion (ok or late)."""
+        return self.outcome <= LATE
+
+    def slo_attainment(self) -> float:
+        """Fraction of *all* requests answered by their deadline (evicted and
+        rejected ones count as misses)."""
+        return float(np.mean(self.outcome == OK)) if len(self) else math.nan
+
+    # -- time ------------------------------------------------------------------
+
+    def span(self) -> float:
+        """From the first arrival to the last answer."""
+        return float(self.finish.max() - self.arrival.min()) if len(self) else 0.0
+
+    def throughput(self) -> float:
+        """Completed requests per second over :meth:`span`."""
+        span = self.span()
+        return float(self.completed().sum()) / span if span > 0 else math.nan
+
+    def goodput(self) -> float:
+        """Requests finished by their deadline per second over :meth:`span`."""
+        span = self.span()
+        return float((self.outcome == OK).sum()) / span if span > 0 else math.nan
+
+    def latencies(self) -> np.ndarray:
+        """End-to-end latency (queueing + compute) of completed requests."""
+        done = self.completed()
+        return self.finish[done] - self.arrival[done]
+
+    def queue_times(self) -> np.ndarray:
+        done = self.completed()
+        return self.start[done] - self.arrival[done]
+
+    def mean_latency(self) -> float:
+        lat = self.latencies()
+        return float(lat.mean()) if len(lat) else math.nan
+
+    def latency_percentile(self, p: float) -> float:
+        lat = self.latencies()
+        return float(np.percentile(lat, p)) if len(lat) else math.nan
+
+    def p50(self) -> float:
+        return self.latency_percentile(50)
+
+    def p98(self) -> float:
+        return self.latency_percentile(98)
+
+    def p99(self) -> float:
+        return self.latency_percentile(99)
+
+    # -- batching ----------------------------------------------------------------
+
+    def mean_batch_size(self) -> float:
+        """Real (unpadded) requests per executed batch."""
+        return float(self.batch_count.mean()) if len(self.batch_count) else math.nan
+
+    def padding_ratio(self) -> float:
+        """Tokens computed / tokens asked, over executed text requests:
+        ``sum(bucket) / sum(length)`` (1.0 = no padding; batch-row padding excluded)."""
+        done = self.completed() & (self.length > 0)
+        asked = self.length[done].sum()
+        return float(self.cell_seq[done].sum() / asked) if asked else math.nan
+
+    def utilization(self) -> float:
+        """Busy instance-seconds / (instances × span)."""
+        span = self.span()
+        busy = float((self.batch_finish - self.batch_start).sum())
+        return busy / (self.instances * span) if span > 0 else math.nan
+
+    def summary(self) -> dict[str, float]:
+        """The headline numbers, flat (for tables)."""
+        return {
+            "requests": float(len(self)),
+            **{k: float(v) for k, v in self.outcome_counts().items()},
+            "slo_attainment": self.slo_attainment(),
+            "throughput": self.throughput(),
+            "goodput": self.goodput(),
+            "mean_latency": self.mean_latency(),
+            "p50": self.p50(),
+            "p98": self.p98(),
+            "p99": self.p99(),
+            "mean_batch_size": self.mean_batch_size(),
+            "padding_ratio": self.padding_ratio(),
+            "utilization": self.utilization(),
+        }
+
+
+def simulate(
+    policy: Policy,
+    trace: Trace,
+    cost_model: CostModel,
+    instances: int,
+    *,
+    service_time: Callable[[Batch], float] | None = None,
+    latency_noise: float = 0.0,
+    seed: int | np.random.Generator | None = 0,
+    max_queue: float = math.inf,
+) -> SimResult:
+    """Run ``trace`` through ``policy`` on ``instances`` identical instances.
+
+    Args:
+        policy: any :class:`~jaxserve.sched.base.Policy`, exactly as the engine uses it.
+        trace: the workload; request ``i`` gets id ``i`` and deadline
+            ``arrival + slo_s``.
+        cost_model: prices a batch as ``latency[model].latency(batch.cell)``.
+        instances: instance ids are ``0 .. instances-1``; each runs one batch at a time.
+        service_time: overrides the cost model's price of a batch.
+        latency_noise: sigma of a mean-one log-normal factor on each batch's time.
+        seed: for the noise.
+        max_queue: admission bound used only if the policy has no ``admits(model)``.
+    """
+    if instances < 1:
+        raise ValueError("need at least one instance")
+    n = len(trace)
+    arrival = trace.arrival.tolist()
+    deadline_arr = trace.arrival + trace.slo_s
+    deadline = deadline_arr.tolist()
+    length = trace.length.tolist()
+    model = trace.model.tolist()
+    task = trace.task.tolist()
+    utility = trace.utility.tolist()
+
+    start = [_INF] * n
+    finish = [_INF] * n
+    outcome = [-1] * n
+    batch_of = [-1] * n
+    state = [_PENDING] * n
+    batches: list[Batch] = []
+    batch_start: list[float] = []
+    batch_finish: list[float] = []
+
+    price_cache: dict[tuple[str, Cell], float] = {}
+
+    def price(batch: Batch) -> float:
+        key = (batch.model, batch.cell)
+        t = price_cache.get(key)
+        if t is None:
+            t = price_cache[key] = float(cost_model.latency[batch.model].latency(batch.cell))
+        return t
+
+    if service_time is None:
+        service_time = price
+    noise: list[float] = []
+    rng = np.random.default_rng(seed)
+    if latency_noise < 0:
+        raise ValueError("latency_noise must be >= 0")
+
+    admits = getattr(policy, "admits", None)
+    on_arrival = policy.on_arrival
+    on_completion = policy.on_completion
+    plan_fn = policy.plan
+    queue_depth = policy.queue_depth
+
+    idle = list(range(instances))
+    busy = [False] * instances
+    completions: list[tuple[float, int]] = []
+    wake = _INF
+    i = 0
+    now = 0.0
+    while True:
+        ta = arrival[i] if i < n else _INF
+        tc = completions[0][0] if completions else _INF
+        if tc <= ta and tc <= wake:
+            if tc == _INF:
+                break
+            now, b = heappop(completions)
+            batch = batches[b]
+            for r in batch.request_ids:
+                finish[r] = now
+                outcome[r] = OK if now <= deadline[r] else LATE
+                state[r] = _DONE
+            busy[batch.instance] = False
+            idle.append(batch.instance)
+            on_completion(batch, now)
+        elif ta <= wake:
+            now = ta
+            r = i
+            i += 1
+            m = model[r]
+            if admits(m) if admits is not None else queue_depth() < max_queue:
+                state[r] = _QUEUED
+                on_arrival(Request(r, now, m, task[r], length[r], deadline[r], utility[r]), now)
+            else:
+                finish[r] = now
+                outcome[r] = REJECTED
+                state[r] = _DONE
+                continue  # the policy saw nothing, so it has nothing new to plan
+        else:
+            now = wake
+            wake = _INF
+
+        plan = plan_fn(now, idle)
+        for r in plan.evict:
+            if state[r] != _QUEUED:
+                raise RuntimeError(f"policy evicted request {r}, which is not queued")
+            state[r] = _DONE
+            finish[r] = now
+            outcome[r] = EVICTED
+        for batch in plan.batches:
+            inst = batch.instance
+            if not 0 <= inst < instances or busy[inst]:
+                raise RuntimeError(f"policy assigned a batch to busy or unknown instance {inst}")
+            ids = batch.request_ids
+            if len(ids) > batch.cell.batch:
+                raise RuntimeError(f"{len(ids)} requests do not fit cell {batch.cell}")
+            b = len(batches)
+            for r in ids:
+                if state[r] != _QUEUED:
+                    raise RuntimeError(f"policy batched request {r}, which is not queued")
+                state[r] = _RUNNING
+                start[r] = now
+                batch_of[r] = b
+            busy[inst] = True
+            idle.remove(inst)
+            t = service_time(batch)
+            if latency_noise:
+                if not noise:
+                    noise = rng.lognormal(-0.5 * latency_noise**2, latency_noise, 4096).tolist()
+                t *= noise.pop()
+            done = now + t
+            batches.append(batch)
+            batch_start.append(now)
+            batch_finish.append(done)
+            heappush(completions, (done, b))
+        wake = plan.wake_at
+        if wake <= now:
+            if not (plan.batches or plan.evict):
+                raise RuntimeError(f"policy asked to be woken at {wake} <= now={now} and did nothing")
+            wake = now  # it made progress and wants another look at once
+
+    stranded = sum(1 for s in state if s != _DONE)
+    if stranded:
+        raise RuntimeError(
+            f"{stranded} requests were never answered: the policy left them queued with no "
+            "wake-up (e.g. max_wait=inf with no deadline and a partial batch)"
+        )
+
+    batch_idx = np.asarray(batch_of, dtype=np.int64)
+    ran = batch_idx >= 0
+    cell_batch = np.zeros(n, dtype=np.int64)
+    cell_seq = np.zeros(n, dtype=np.int64)
+    cell_gamma = np.zeros(n, dtype=np.int64)
+    if batches:
+        cb = np.array([[b.cell.batch, b.cell.seq, b.cell.gamma] for b in batches], dtype=np.int64)
+        cell_batch[ran] = cb[batch_idx[ran], 0]
+        cell_seq[ran] = cb[batch_idx[ran], 1]
+        cell_gamma[ran] = cb[batch_idx[ran], 2]
+    start_arr = np.asarray(start, dtype=np.float64)
+    start_arr[~ran] = np.nan
+    return SimResult(
+        arrival=trace.arrival.copy(),
+        deadline=deadline_arr,
+        length=trace.length.copy(),
+        start=start_arr,
+        finish=np.asarray(finish, dtype=np.float64),
+        outcome=np.asarray(outcome, dtype=np.int8),
+        batch=batch_idx,
+        cell_batch=cell_batch,
+        cell_seq=cell_seq,
+        cell_gamma=cell_gamma,
+        batch_start=np.asarray(batch_start, dtype=np.float64),
+        batch_finish=np.asarray(batch_finish, dtype=np.float64),
+        batch_count=np.array([len(b.request_ids) for b in batches], dtype=np.int64),
+        batch_instance=np.array([b.instance for b in batches], dtype=np.int64),
+        instances=instances,
+    )
