@@ -20,3 +20,81 @@ def minilm_dir() -> Path:
     if not (path / "model.safetensors").exists():
         raise FileNotFoundError(f"{path} has no model.safetensors")
     return path
+
+
+# ------------------------------------------------------------------ defaults
+
+import json  # noqa: E402
+
+from jaxserve.sched.base import ShapeGrid  # noqa: E402
+
+ASSETS = Path(__file__).parent / "assets"
+PROFILES = Path(__file__).parent / "profiles"
+
+DEFAULT_TEXT_BATCHES = (1, 2, 4, 8, 16, 32)
+FALLBACK_TEXT_BUCKETS = (16, 32, 64, 128, 256)
+DEFAULT_IMAGE_BATCHES = (1, 2, 4, 8, 16, 32)
+
+
+def default_text_buckets(model: str = "minilm-l6") -> tuple[int, ...]:
+    """Buckets from the latency staircase profiled on this machine kind (``jaxserve profile
+    --staircase`` writes it); the documented fallback if no profile exists."""
+    path = PROFILES / f"{model}-staircase.json"
+    if path.exists():
+        return tuple(json.loads(path.read_text())["buckets"])
+    return FALLBACK_TEXT_BUCKETS
+
+
+def text_grid(model: str = "minilm-l6", buckets: tuple[int, ...] | None = None,
+              batch_sizes: tuple[int, ...] = DEFAULT_TEXT_BATCHES) -> ShapeGrid:
+    return ShapeGrid(batch_sizes=batch_sizes, seq_buckets=buckets or default_text_buckets(model))
+
+
+def load_text_runtime(name: str = "minilm-l6", cache=None, grid: ShapeGrid | None = None,
+                      progress: bool = False, heads_dir: Path | None = None):
+    """MiniLM (or any HF-format BERT dir) warmed over its grid, with its task heads."""
+    from jaxserve.models.bert import load_hf_bert
+    from jaxserve.models.tokenizer import TextTokenizer
+    from jaxserve.polymorph import PolymorphTable
+    from jaxserve.runtime import ModelRuntime, TaskHead
+    from jaxserve.servables import bert_servable, weights_of
+
+    model_dir = minilm_dir()
+    cfg, model = load_hf_bert(model_dir)
+    grid = grid or text_grid(name)
+    table = PolymorphTable(bert_servable(name, cfg, grid), cache)
+    table.warmup(progress=progress)
+    heads = {}
+    heads_dir = heads_dir or ASSETS / "heads" / name
+    if heads_dir.exists():
+        for f in sorted(heads_dir.glob("*.npz")):
+            heads[f.stem] = TaskHead.load(f.stem, f)
+    return ModelRuntime(name, table, weights_of(model), heads, TextTokenizer(model_dir / "tokenizer.json"))
+
+
+def vit_demo_dir() -> Path:
+    """The demo ViT checkpoint shipped in the package (trained by training/train_vit_digits.py)."""
+    path = ASSETS / "vit-demo"
+    if not (path / "meta.json").exists():
+        raise FileNotFoundError(f"{path} is missing: python -m training.train_vit_digits --out {path}")
+    return path
+
+
+def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | None = None, progress: bool = False):
+    """The demo ViT warmed over its grid; its own head serves the ``digits`` task."""
+    from jaxserve.polymorph import PolymorphTable
+    from jaxserve.runtime import ModelRuntime, TaskHead
+    from jaxserve.servables import vit_servable, weights_of
+    from training.train_vit_digits import load_checkpoint
+
+    path = vit_demo_dir()
+    meta = json.loads((path / "meta.json").read_text())
+    cfg, model = load_checkpoint(path)
+    grid = grid or ShapeGrid(DEFAULT_IMAGE_BATCHES)
+    table = PolymorphTable(vit_servable(name, cfg, grid), cache)
+    table.warmup(progress=progress)
+    digits = TaskHead("digits", tuple(str(i) for i in range(cfg.num_classes)), None, None, feature="logits",
+                      accuracy=meta.get("test_accuracy"))
+    norm = meta.get("normalisation", {"mean": 0.0, "std": 1.0})
+    return ModelRuntime(name, table, weights_of(model), {"digits": digits}, None,
+                        (cfg.image_size, cfg.image_size, cfg.num_channels), float(norm["mean"]), float(norm["std"]))

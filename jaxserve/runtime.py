@@ -21,17 +21,21 @@ from jaxserve.sched.base import Cell, ShapeGrid
 
 @dataclass(frozen=True)
 class TaskHead:
-    """A linear classification head: ``softmax(features @ weight + bias)``."""
+    """A linear classification head: ``softmax(features @ weight + bias)``.
+
+    With ``weight`` None the executable already produced the logits (a model's own
+    head, e.g. the demo ViT's digit classifier) and only the softmax is applied.
+    """
 
     name: str
     labels: tuple[str, ...]
-    weight: np.ndarray  # [features, classes]
-    bias: np.ndarray  # [classes]
+    weight: np.ndarray | None  # [features, classes]
+    bias: np.ndarray | None  # [classes]
     feature: str = "embedding"  # which executable output it reads
     accuracy: float | None = None  # held-out accuracy reported by its training script
 
     def probabilities(self, features: np.ndarray) -> np.ndarray:
-        logits = features @ self.weight + self.bias
+        logits = features if self.weight is None else features @ self.weight + self.bias
         logits = logits - logits.max(axis=-1, keepdims=True)
         e = np.exp(logits)
         return e / e.sum(axis=-1, keepdims=True)
@@ -66,6 +70,8 @@ class ModelRuntime:
     heads: dict[str, TaskHead] = field(default_factory=dict)
     tokenizer: Any = None
     image_shape: tuple[int, int, int] | None = None  # (H, W, C) for image models
+    pixel_mean: float = 0.0  # images arrive in [0, 1]; the model was trained on (x - mean) / std
+    pixel_std: float = 1.0
 
     @property
     def kind(self) -> str:
@@ -80,7 +86,8 @@ class ModelRuntime:
         if self.kind == "text":
             inputs = pad_token_batch(payloads, cell, pad_id=getattr(self.tokenizer, "pad_id", 0))
         else:
-            inputs = (pad_image_batch(np.stack(payloads), cell),)
+            images = (np.stack(payloads) - self.pixel_mean) / self.pixel_std
+            inputs = (pad_image_batch(images, cell),)
         outputs = unpad_rows(self.table.run(cell, self.weights, *inputs), len(payloads))
         items = []
         for i, task in enumerate(tasks):

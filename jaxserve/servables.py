@@ -28,6 +28,31 @@ def bert_servable(name: str, cfg: BertConfig, grid: ShapeGrid) -> Servable:
     )
 
 
+def vit_servable(name: str, cfg, grid: ShapeGrid, prompt_mode: str = "replace") -> Servable:
+    """Image classifier cells (batch, gamma) -> {'logits', 'cls'}; gamma's token settings
+    (ToMe merge schedule or prompt count) are static per executable."""
+    from functools import partial
+
+    from jaxserve.models.vit import ViT, gamma_settings, vit_forward
+
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: ViT(cfg, rngs=nnx.Rngs(0))))
+    if any(g > 0 for g in grid.gammas):
+        raise NotImplementedError("prompted (gamma > 0) ViT cells need a prompt repository")
+
+    def fn_for(cell: Cell):
+        merge_r, _ = gamma_settings(cfg, cell.gamma)
+        return partial(vit_forward, graphdef, merge_r=merge_r)
+
+    def specs(cell: Cell):
+        return (jax.ShapeDtypeStruct((cell.batch, cfg.image_size, cfg.image_size, cfg.num_channels), np.float32),)
+
+    return Servable(
+        name=name, kind="image", config_hash=cfg.key(), grid=grid, abstract_state=abstract_state,
+        fn_for=fn_for, input_specs=specs,
+        variant_of=lambda cell: f"gamma={cell.gamma}:merge={gamma_settings(cfg, cell.gamma)[0]}",
+    )
+
+
 def weights_of(model: nnx.Module):
     """The weights pytree a servable's executables take as their first argument."""
     return nnx.split(model)[1]

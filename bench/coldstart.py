@@ -1,0 +1,93 @@
+"""Time to ready for a whole grid: cold, warm XLA cache, serialized executables.
+
+Each state runs in a fresh process (jax keeps in-memory caches), on the same grid:
+
+* **cold** — empty cache directory: every cell is traced, lowered and compiled;
+* **warm XLA cache** — the XLA persistent cache is filled but no serialized
+  executables exist: every cell is traced and lowered, then XLA's cache hits;
+* **serialized** — `jax.experimental.serialize_executable` payloads: no tracing,
+  no lowering, no compiling.
+
+"warmup s" is the table's warmup alone; "process s" is from interpreter start to
+ready (imports and weight loading included), as the parent measures it.
+
+    python -m bench.coldstart [--model minilm-l6] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import record, table
+
+
+def child(state: str, cache_dir: str, model: str) -> None:
+    t0 = time.perf_counter()
+    from jaxserve.compile_cache import CompileCache, compile_count
+    from jaxserve.registry import load_image_runtime, load_text_runtime
+
+    cache = CompileCache(cache_dir, use_xla_cache=state != "cold-no-xla")
+    load = load_text_runtime if model == "minilm-l6" else load_image_runtime
+    t1 = time.perf_counter()
+    rt = load(model, cache)
+    t2 = time.perf_counter()
+    sources: dict[str, int] = {}
+    for s in rt.table.stats.values():
+        sources[s.source] = sources.get(s.source, 0) + 1
+    warm = sum(s.compile_seconds for s in rt.table.stats.values())
+    print(json.dumps({"cells": len(rt.grid.cells()), "warmup_s": warm, "load_s": t2 - t1, "imports_s": t1 - t0,
+                      "sources": sources, "backend_compiles": compile_count()}))
+
+
+def run_state(state: str, cache_dir: Path, model: str) -> dict:
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "bench.coldstart", "--child", state, "--cache-dir", str(cache_dir),
+                          "--model", model], capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["process_s"] = time.perf_counter() - t0
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--child", default=None)
+    ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--model", default="minilm-l6")
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    if args.child:
+        return child(args.child, args.cache_dir, args.model)
+
+    base = Path(tempfile.mkdtemp(prefix="coldstart-"))
+    try:
+        rows = []
+        cold = run_state("cold", base / "a", args.model)  # fills xla/ and executables/
+        shutil.copytree(base / "a", base / "b")
+        shutil.rmtree(base / "b" / "executables")
+        warm_xla = run_state("warm-xla", base / "b", args.model)
+        serialized = run_state("serialized", base / "a", args.model)
+        for label, r in (("cold (empty cache)", cold), ("warm XLA cache", warm_xla),
+                         ("serialized executables", serialized)):
+            rows.append([label, str(r["cells"]), f"{r['warmup_s']:.2f}", f"{r['warmup_s'] / cold['warmup_s']:.3f}",
+                         f"{r['process_s']:.1f}", ", ".join(f"{v} {k}" for k, v in r["sources"].items()),
+                         str(r["backend_compiles"])])
+        text = table(["state", "cells", "warmup s", "× cold", "process s", "cells by source", "XLA compiles"], rows)
+        notes = (f"Model {args.model}, its default grid. Goal: serialized load ≤ 0.10 × cold compile "
+                 f"(measured {serialized['warmup_s'] / cold['warmup_s']:.3f}).")
+        print(text)
+        print(notes)
+        if args.write:
+            record("coldstart", "Cold start: time to a warm grid", text, notes)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

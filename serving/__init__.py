@@ -1,0 +1,1 @@
+"""The thin FastAPI app: schemas, validation, decoding, error mapping, metrics."""

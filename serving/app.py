@@ -1,0 +1,312 @@
+"""The thin HTTP layer: validate, decode, tokenize, hand items to the engine, map errors.
+
+No scheduling logic and no model code live here (DESIGN.md). Error mapping:
+
+=========================================  ======
+malformed JSON, unknown/missing field,      422
+empty or too many inputs, bad image,
+non-finite numbers, ``slo_ms`` <= 0
+text longer than the longest bucket         413 (unless ``truncate: true``)
+body over ``max_body_bytes``                413
+unknown model or task                       404
+queue full (admission control)              429 + Retry-After
+not warm yet / shutting down                503
+a batch that failed twice on its worker     500
+=========================================  ======
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from jaxserve.engine import Answer, Draining, Engine, ExecutionFailed, Item, Overloaded
+from serving.metrics import Metrics
+from serving.schemas import (
+    ClassifyImageRequest,
+    ClassifyItem,
+    ClassifyResponse,
+    ClassifyTextRequest,
+    EmbeddingItem,
+    EmbeddingsRequest,
+    EmbeddingsResponse,
+    Meta,
+)
+
+log = logging.getLogger("jaxserve.serving")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, field: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.field, self.headers = status, message, field, headers or {}
+
+
+@dataclass
+class ServerState:
+    """What the app serves; ``engine`` is None until warmup finished."""
+
+    engine: Engine | None = None
+    warm_error: str | None = None
+    started: float = field(default_factory=time.monotonic)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _error(status: int, message: str, field: str | None = None, headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"status": status, "message": message}}
+    if field:
+        body["error"]["field"] = field
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class BodyLimit:
+    """Pure-ASGI guard: a body over ``limit`` bytes is answered 413 before it is parsed."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._reject(send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send):
+        resp = _error(413, f"request body exceeds the limit of {self.limit} bytes", "body")
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": resp.body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _meta(a: Answer) -> Meta:
+    gamma = a.outputs.get("gamma")
+    otype = a.outputs.get("outcome_type")
+    return Meta(shape=a.cell, batch_size=a.batch_size, queue_ms=round(a.queue_ms, 3),
+                compute_ms=round(a.compute_ms, 3), outcome=a.outcome,
+                gamma=None if gamma is None else int(gamma), outcome_type=None if otype is None else int(otype))
+
+
+def decode_image(raw: Any, shape: tuple[int, int, int], index: int) -> np.ndarray:
+    """A base64 PNG (8-bit) or nested arrays of floats in [0, 1], as float32 [H, W, C] in [0, 1]."""
+    h, w, c = shape
+    where = f"inputs[{index}]"
+    if isinstance(raw, str):
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            data = base64.b64decode(raw, validate=True)
+            img = Image.open(io.BytesIO(data))
+            img.load()
+        except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as exc:
+            raise ApiError(422, f"{where}: not a decodable base64 PNG image ({exc})", where) from None
+        if img.size != (w, h):
+            raise ApiError(422, f"{where}: image is {img.size[0]}x{img.size[1]}; the model takes {w}x{h}", where)
+        mode = {1: "L", 3: "RGB"}.get(c)
+        if img.mode != mode:
+            raise ApiError(422, f"{where}: image mode {img.mode} has the wrong channels; the model takes "
+                                f"{c} channel(s) (PNG mode {mode})", where)
+        arr = np.asarray(img, dtype=np.float32) / 255.0
+        return arr.reshape(h, w, c)
+    try:
+        arr = np.asarray(raw, dtype=np.float32)
+    except (ValueError, TypeError):
+        raise ApiError(422, f"{where}: nested arrays must be a regular grid of numbers", where) from None
+    if arr.ndim == 2 and c == 1:
+        arr = arr[..., None]
+    if arr.shape != (h, w, c):
+        raise ApiError(422, f"{where}: array shape {list(arr.shape)}; the model takes [{h}, {w}, {c}]", where)
+    if not np.isfinite(arr).all():
+        raise ApiError(422, f"{where}: contains non-finite numbers (NaN or Inf)", where)
+    if arr.min() < 0.0 or arr.max() > 1.0:
+        raise ApiError(422, f"{where}: pixel values must lie in [0, 1]", where)
+    return arr
+
+
+def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> FastAPI:
+    app = FastAPI(title="jaxserve", version="0.1.0",
+                  description="Transformer encoders served from ahead-of-time compiled polymorphs.")
+    metrics = Metrics(state)
+    app.state.jaxserve = state
+    app.state.metrics = metrics
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        metrics.request_done(request.url.path, exc.status)
+        return _error(exc.status, exc.message, exc.field, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+        metrics.request_done(request.url.path, 422)
+        msg = first.get("msg", "invalid")
+        if first.get("type") == "json_invalid":
+            msg = "malformed JSON body"
+        elif first.get("type") == "extra_forbidden":
+            msg = "unknown field"
+        return _error(422, f"{loc}: {msg}", loc)
+
+    def engine() -> Engine:
+        if state.engine is None:
+            raise ApiError(503, "models are still warming up" if state.warm_error is None
+                           else f"warmup failed: {state.warm_error}")
+        return state.engine
+
+    def runtime(model: str, kind: str):
+        eng = engine()
+        rt = eng.runtimes.get(model)
+        if rt is None or rt.kind != kind:
+            names = sorted(n for n, r in eng.runtimes.items() if r.kind == kind)
+            raise ApiError(404, f"unknown {kind} model {model!r}; served: {names}", "model")
+        return rt
+
+    def head(rt, task: str):
+        if task not in rt.heads:
+            raise ApiError(404, f"unknown task {task!r} for model {rt.name}; tasks: {sorted(rt.heads)}", "task")
+
+    def tokenize(rt, texts: list[str], truncate: bool, field_name: str) -> list[list[int]]:
+        limit = rt.grid.max_length
+        ids = rt.tokenizer.encode(texts)
+        out = []
+        for i, seq in enumerate(ids):
+            if len(seq) > limit:
+                if not truncate:
+                    raise ApiError(413, f"{field_name}[{i}] has {len(seq)} tokens; the longest bucket of "
+                                        f"{rt.name} is {limit} tokens (send truncate=true to cut it)",
+                                   f"{field_name}[{i}]")
+                seq = rt.tokenizer.truncate(seq, limit)
+            out.append(seq)
+        return out
+
+    async def run_items(items: list[Item], path: str) -> list[Answer]:
+        eng = engine()
+        try:
+            futures = eng.submit(items)
+        except Overloaded as exc:
+            raise ApiError(429, str(exc), headers={"Retry-After": str(int(math.ceil(exc.retry_after_s)))})
+        except Draining as exc:
+            raise ApiError(503, str(exc))
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        for item, r in zip(items, results):
+            if isinstance(r, Answer):
+                metrics.observe_answer(item.model, r.outcome, (r.queue_ms + r.compute_ms) / 1e3,
+                                       item.slo_ms is not None)
+        for r in results:
+            if isinstance(r, ExecutionFailed):
+                raise ApiError(500, f"execution failed: {r}")
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    @app.post("/v1/embeddings", response_model=EmbeddingsResponse)
+    async def embeddings(req: EmbeddingsRequest) -> EmbeddingsResponse:
+        rt = runtime(req.model, "text")
+        texts = [req.input] if isinstance(req.input, str) else req.input
+        ids = tokenize(rt, texts, req.truncate, "input")
+        answers = await run_items(
+            [Item(req.model, seq, len(seq), "", req.slo_ms) for seq in ids], "/v1/embeddings")
+        data = [EmbeddingItem(index=i, embedding=None if a.outcome == "evicted" else
+                              [float(x) for x in a.outputs["embedding"]], meta=_meta(a))
+                for i, a in enumerate(answers)]
+        metrics.request_done("/v1/embeddings", 200)
+        tokens = sum(map(len, ids))
+        return EmbeddingsResponse(data=data, model=req.model, usage={"prompt_tokens": tokens, "total_tokens": tokens})
+
+    def classify_response(model: str, task: str, rt, answers: list[Answer], path: str) -> ClassifyResponse:
+        labels = rt.heads[task].labels
+        results = []
+        for i, a in enumerate(answers):
+            probs = a.outputs.get("probabilities")
+            results.append(ClassifyItem(
+                index=i, label=a.outputs.get("label"),
+                probabilities=None if probs is None else {l: float(p) for l, p in zip(labels, probs)},
+                meta=_meta(a)))
+        metrics.request_done(path, 200)
+        return ClassifyResponse(model=model, task=task, results=results)
+
+    @app.post("/v1/classify/text", response_model=ClassifyResponse)
+    async def classify_text(req: ClassifyTextRequest) -> ClassifyResponse:
+        rt = runtime(req.model, "text")
+        head(rt, req.task)
+        ids = tokenize(rt, req.inputs, req.truncate, "inputs")
+        answers = await run_items(
+            [Item(req.model, seq, len(seq), req.task, req.slo_ms, req.utility) for seq in ids], "/v1/classify/text")
+        return classify_response(req.model, req.task, rt, answers, "/v1/classify/text")
+
+    @app.post("/v1/classify/image", response_model=ClassifyResponse)
+    async def classify_image(req: ClassifyImageRequest) -> ClassifyResponse:
+        rt = runtime(req.model, "image")
+        head(rt, req.task)
+        images = [decode_image(raw, rt.image_shape, i) for i, raw in enumerate(req.inputs)]
+        answers = await run_items(
+            [Item(req.model, img, 0, req.task, req.slo_ms, req.utility) for img in images], "/v1/classify/image")
+        return classify_response(req.model, req.task, rt, answers, "/v1/classify/image")
+
+    @app.get("/v1/models")
+    async def models():
+        eng = state.engine
+        if eng is None:
+            return {"ready": False, "models": [], "warm_error": state.warm_error}
+        out = []
+        for name, rt in eng.runtimes.items():
+            g = rt.grid
+            out.append({
+                "id": name, "kind": rt.kind, "warm": rt.table.warm,
+                "tasks": {t: list(h.labels) for t, h in rt.heads.items()},
+                "grid": {"batch_sizes": list(g.batch_sizes), "seq_buckets": list(g.seq_buckets),
+                         "gammas": list(g.gammas)},
+                "max_tokens": g.max_length if rt.kind == "text" else None,
+                "image_shape": list(rt.image_shape) if rt.image_shape else None,
+            })
+        return {"ready": True, "models": out, "policy": type(eng.policy).__name__, **state.info}
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "alive", "uptime_s": round(time.monotonic() - state.started, 3)}
+
+    @app.get("/readyz")
+    async def readyz():
+        if state.engine is None:
+            return _error(503, "warming up" if state.warm_error is None else f"warmup failed: {state.warm_error}")
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

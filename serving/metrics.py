@@ -1,0 +1,93 @@
+"""Prometheus metrics, in the conventions operators know from Triton and TF Serving."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from jaxserve.compile_cache import compile_count
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _EngineCollector:
+    """Values read from the engine and policy at scrape time (no double bookkeeping)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def collect(self):
+        eng = self.state.engine
+        g = GaugeMetricFamily("jaxserve_compilations", "XLA backend compilations in this process")
+        g.add_metric([], compile_count())
+        yield g
+        g = GaugeMetricFamily("jaxserve_compilations_since_ready",
+                              "compilations after warmup finished (must stay 0: serving never compiles)")
+        g.add_metric([], 0 if eng is None else compile_count() - eng.compiles_at_ready)
+        yield g
+        g = GaugeMetricFamily("jaxserve_ready", "1 once every executable is warm")
+        g.add_metric([], 0 if eng is None else 1)
+        yield g
+        if eng is None:
+            return
+        g = GaugeMetricFamily("jaxserve_queue_depth", "items queued, not yet running")
+        g.add_metric([], eng.queue_depth)
+        yield g
+        g = GaugeMetricFamily("jaxserve_in_flight", "items queued or running")
+        g.add_metric([], eng.in_flight)
+        yield g
+        g = GaugeMetricFamily("jaxserve_items", "answered items by outcome", labels=["outcome"])
+        for outcome, n in sorted(eng.stats.outcomes.items()):
+            g.add_metric([outcome], n)
+        yield g
+        g = GaugeMetricFamily("jaxserve_worker_restarts", "executor worker restarts after failed batches")
+        g.add_metric([], eng.stats.worker_restarts)
+        yield g
+        policy_metrics = getattr(eng.policy, "metrics", None)
+        if callable(policy_metrics):
+            for name, labels, value in policy_metrics():
+                g = GaugeMetricFamily(f"jaxserve_policy_{name}", f"policy counter {name}", labels=list(labels))
+                g.add_metric(list(labels.values()), value)
+                yield g
+
+
+class Metrics:
+    def __init__(self, state):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("jaxserve_requests", "HTTP requests by path and status", ["path", "status"], registry=r)
+        self.batch_size = Histogram("jaxserve_batch_size", "items per executed batch", ["model"],
+                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.padding = Histogram("jaxserve_padding_ratio", "padded tokens / real tokens per text batch", ["model"],
+                                 buckets=(1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0), registry=r)
+        self.exec_latency = Histogram("jaxserve_executable_latency_seconds", "compute time per executable",
+                                      ["model", "shape"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.item_latency = Histogram("jaxserve_item_latency_seconds", "arrival to answer, per item",
+                                      ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.slo = Counter("jaxserve_slo_items", "items that carried an SLO, by outcome", ["outcome"], registry=r)
+        self.slo_attainment = Gauge("jaxserve_slo_attainment", "share of SLO items answered ok", registry=r)
+        r.register(_EngineCollector(state))
+        self._slo_ok = 0
+        self._slo_all = 0
+
+    def request_done(self, path: str, status: int) -> None:
+        self.requests.labels(path, str(status)).inc()
+
+    def observe_batch(self, batch, output, pendings, seconds: float) -> None:
+        model = batch.model
+        self.batch_size.labels(model).observe(len(pendings))
+        self.exec_latency.labels(model, batch.cell.label()).observe(output.compute_seconds)
+        if batch.cell.seq:
+            real = sum(p.request.length for p in pendings)
+            self.padding.labels(model).observe(batch.cell.seq * batch.cell.batch / max(real, 1))
+
+    def observe_answer(self, model: str, outcome: str, seconds: float, had_slo: bool) -> None:
+        self.item_latency.labels(model).observe(seconds)
+        if had_slo:
+            self.slo.labels(outcome).inc()
+            self._slo_all += 1
+            self._slo_ok += outcome == "ok"
+            self.slo_attainment.set(self._slo_ok / self._slo_all)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

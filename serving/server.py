@@ -1,0 +1,147 @@
+"""Start-up: load and warm every model, price every cell, build the policy and the engine.
+
+``/healthz`` answers from the first moment; ``/readyz`` says 503 until every
+executable is compiled or loaded and the cost model exists, then 200. On SIGTERM
+uvicorn stops accepting connections and the lifespan shutdown drains the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from fastapi import FastAPI
+
+from jaxserve.compile_cache import CompileCache, compile_count
+from jaxserve.engine import Engine
+from jaxserve.profiler import load_cost_model, machine_description, profile_table, save_cost_model
+from jaxserve.runtime import ModelRuntime
+from jaxserve.sched.base import Cell, CostModel
+from serving.app import ServerState, create_app
+
+log = logging.getLogger("jaxserve.server")
+
+POLICIES = ("default",)
+
+
+@dataclass
+class ServeSettings:
+    models: tuple[str, ...] = ("minilm-l6", "vit-demo")
+    cache_dir: str = "compiled_cache"
+    policy: str = "default"
+    instances: int = 1
+    max_queue: int = 256
+    max_wait_ms: float = 5.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    cost_model: str | None = None
+    progress: bool = True
+    text_grid: object = None  # ShapeGrid override (tests use a small one)
+    image_grid: object = None
+    extra: dict = field(default_factory=dict)
+
+
+def load_runtimes(settings: ServeSettings, cache: CompileCache | None) -> dict[str, ModelRuntime]:
+    from jaxserve import registry
+
+    runtimes = {}
+    for name in settings.models:
+        if name == "minilm-l6":
+            runtimes[name] = registry.load_text_runtime(name, cache, settings.text_grid, settings.progress)
+        elif name == "vit-demo":
+            runtimes[name] = registry.load_image_runtime(name, cache, settings.image_grid, settings.progress)
+        else:
+            raise ValueError(f"unknown model {name!r}; known: minilm-l6, vit-demo")
+    return runtimes
+
+
+def example_inputs(rt: ModelRuntime, cell: Cell) -> tuple:
+    """Representative inputs for timing a cell: full-length text, random images."""
+    if rt.kind == "text":
+        ids = np.full((cell.batch, cell.seq), 1000, np.int32)
+        return ids, np.ones_like(ids)
+    h, w, c = rt.image_shape
+    return (np.random.default_rng(0).random((cell.batch, h, w, c), dtype=np.float32),)
+
+
+def price_cells(runtimes: dict[str, ModelRuntime], path: Path | None, progress: bool) -> CostModel:
+    """The cost model the policy uses: read from ``path`` if it prices every cell, else
+    measured now (``jaxserve profile`` does the same, with more repeats) and saved."""
+    if path is not None and path.exists():
+        cost = load_cost_model(path)
+        if all(n in cost.latency and set(rt.grid.cells()) <= set(cost.latency[n].seconds)
+               for n, rt in runtimes.items()):
+            return cost
+    latency = {
+        name: profile_table(rt.table, rt.weights, lambda cell, rt=rt: example_inputs(rt, cell),
+                            repeats=3, progress=progress)
+        for name, rt in runtimes.items()
+    }
+    cost = CostModel(latency=latency, machine=machine_description())
+    if path is not None:
+        save_cost_model(path, cost)
+    return cost
+
+
+def make_policy(settings: ServeSettings, runtimes: dict[str, ModelRuntime], cost: CostModel):
+    grids = {name: rt.grid for name, rt in runtimes.items()}
+    if settings.policy == "default":
+        from jaxserve.sched.batching import DeadlineBatching
+
+        return DeadlineBatching(grids, cost, max_queue=settings.max_queue, max_wait=settings.max_wait_ms / 1e3)
+    raise ValueError(f"unknown policy {settings.policy!r}; known: {', '.join(POLICIES)}")
+
+
+def build_engine(settings: ServeSettings) -> Engine:
+    cache = CompileCache(settings.cache_dir) if settings.cache_dir else None
+    runtimes = load_runtimes(settings, cache)
+    cost_path = Path(settings.cost_model) if settings.cost_model else (
+        Path(settings.cache_dir) / "cost_model.json" if settings.cache_dir else None)
+    cost = price_cells(runtimes, cost_path, settings.progress)
+    policy = make_policy(settings, runtimes, cost)
+    return Engine(runtimes, policy, instances=settings.instances, max_queue=settings.max_queue)
+
+
+def build_app(settings: ServeSettings) -> FastAPI:
+    state = ServerState(info={"instances": settings.instances, "max_queue": settings.max_queue})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async def warm():
+            try:
+                engine = await asyncio.to_thread(build_engine, settings)
+            except Exception as exc:  # report through /readyz instead of dying silently
+                log.exception("warmup failed")
+                state.warm_error = f"{type(exc).__name__}: {exc}"
+                return
+            engine.stats.observers.append(app.state.metrics.observe_batch)
+            engine.compiles_at_ready = compile_count()
+            state.engine = engine
+            log.info("ready: %s", ", ".join(engine.runtimes))
+
+        task = asyncio.create_task(warm())
+        yield
+        task.cancel()
+        if state.engine is not None:
+            drained = await state.engine.drain()
+            log.info("drained (%s)", "clean" if drained else "timed out")
+            state.engine.close()
+
+    app = create_app(state, settings.max_body_bytes)
+    app.router.lifespan_context = lifespan
+    return app
+
+
+def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000) -> None:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    uvicorn.run(build_app(settings), host=host, port=port, log_level="info",
+                timeout_graceful_shutdown=30)
+
+
+_ = math  # noqa

@@ -1,0 +1,104 @@
+"""The engine with real executables: failures, restarts, draining, exactly one answer each."""
+
+import asyncio
+import math
+
+import numpy as np
+import pytest
+
+from jaxserve.engine import Answer, Draining, Engine, ExecutionFailed, Item, Overloaded
+from jaxserve.models.bert import BERT_CONFIGS, BertConfig, init_bert
+from jaxserve.polymorph import PolymorphTable
+from jaxserve.runtime import ModelRuntime
+from jaxserve.sched.base import Cell, CostModel, LatencyProfile, ShapeGrid
+from jaxserve.sched.batching import DeadlineBatching
+from jaxserve.servables import bert_servable, weights_of
+
+GRID = ShapeGrid(batch_sizes=(1, 4), seq_buckets=(16,))
+CFG = BERT_CONFIGS["bert-tiny-test"]
+
+
+@pytest.fixture(scope="module")
+def table():
+    t = PolymorphTable(bert_servable("tiny", CFG, GRID))
+    t.warmup()
+    return t
+
+
+def make_engine(table, weights, instances=1, max_queue=64):
+    rt = ModelRuntime("tiny", table, weights)
+    cost = CostModel({"tiny": LatencyProfile("tiny", {c: 0.002 * c.batch for c in GRID.cells()})})
+    policy = DeadlineBatching({"tiny": GRID}, cost, max_queue=max_queue)
+    return Engine({"tiny": rt}, policy, instances=instances, max_queue=max_queue)
+
+
+def items(n, slo_ms=None):
+    return [Item("tiny", [101, 5 + i, 102], 3, "", slo_ms) for i in range(n)]
+
+
+def test_failed_batch_is_retried_then_answered_with_error_and_worker_restarted(table):
+    wrong = weights_of(init_bert(BertConfig(**{**CFG.__dict__, "intermediate_size": 48})))
+    good = weights_of(init_bert(CFG))
+
+    async def scenario():
+        engine = make_engine(table, wrong)
+        results = await asyncio.gather(*engine.submit(items(3)), return_exceptions=True)
+        assert all(isinstance(r, ExecutionFailed) for r in results)
+        assert engine.stats.retries >= 1 and engine.stats.worker_restarts >= 1
+        # the engine keeps serving once the fault is gone
+        engine.runtimes["tiny"].weights = good
+        ok = await asyncio.gather(*engine.submit(items(2)))
+        assert [a.outcome for a in ok] == ["ok", "ok"]
+        assert engine.in_flight == 0
+        engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_drain_finishes_accepted_work_then_refuses_new(table):
+    async def scenario():
+        engine = make_engine(table, weights_of(init_bert(CFG)), instances=2)
+        futures = engine.submit(items(10))
+        drained = await engine.drain(timeout_s=30)
+        assert drained and all(f.done() for f in futures)
+        assert all(isinstance(f.result(), Answer) for f in futures)
+        with pytest.raises(Draining):
+            engine.submit(items(1))
+        engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_admission_is_all_or_nothing(table):
+    async def scenario():
+        engine = make_engine(table, weights_of(init_bert(CFG)), max_queue=5)
+        first = engine.submit(items(4))  # a full batch: dispatched at once to the one instance
+        second = engine.submit(items(4))  # waits in the queue (4 of 5)
+        assert engine.queue_depth == 4
+        with pytest.raises(Overloaded) as exc:
+            engine.submit(items(3))  # 4 + 3 > 5: refused whole, nothing of it queued
+        assert exc.value.retry_after_s >= 1
+        assert engine.queue_depth == 4
+        answers = await asyncio.gather(*first, *second)
+        assert len(answers) == 8
+        engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_each_item_answered_exactly_once_with_mixed_deadlines(table):
+    async def scenario():
+        engine = make_engine(table, weights_of(init_bert(CFG)))
+        futures = []
+        for k in range(40):
+            futures += engine.submit(items(1, slo_ms=0.0001 if k % 3 == 0 else 10_000))
+        answers = await asyncio.gather(*futures)
+        outcomes = [a.outcome for a in answers]
+        assert len(answers) == 40
+        assert outcomes.count("evicted") >= 1 and outcomes.count("ok") >= 1
+        assert sum(engine.stats.outcomes.values()) == 40
+        assert all(a.outputs == {} for a in answers if a.outcome == "evicted")
+        assert all(np.isfinite(a.outputs["embedding"]).all() for a in answers if a.outcome == "ok")
+        engine.close()
+
+    asyncio.run(scenario())

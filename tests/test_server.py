@@ -1,0 +1,230 @@
+"""The real server on 127.0.0.1: API, bad input, overload, exactly-one-answer, no compiles."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+
+from conftest import FIXTURES
+from jaxserve.sched.base import ShapeGrid
+from serving.server import ServeSettings, build_app
+
+TEXT_GRID = ShapeGrid(batch_sizes=(1, 4), seq_buckets=(16, 64))
+IMAGE_GRID = ShapeGrid(batch_sizes=(1, 4))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, settings: ServeSettings):
+        self.port = free_port()
+        self.app = build_app(settings)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 300
+        with httpx.Client(base_url=self.url) as c:
+            while time.monotonic() < deadline:
+                try:
+                    if c.get("/readyz").status_code == 200:
+                        return self
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+        raise RuntimeError("server did not become ready")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    settings = ServeSettings(
+        models=("minilm-l6", "vit-demo"), cache_dir=str(tmp_path_factory.mktemp("cache")), max_queue=64,
+        progress=False, text_grid=TEXT_GRID, image_grid=IMAGE_GRID,
+    )
+    with LiveServer(settings) as s:
+        yield s
+
+
+@pytest.fixture()
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def test_health_ready_and_models(client):
+    assert client.get("/healthz").json()["status"] == "alive"
+    assert client.get("/readyz").status_code == 200
+    models = {m["id"]: m for m in client.get("/v1/models").json()["models"]}
+    assert models["minilm-l6"]["grid"]["seq_buckets"] == [16, 64]
+    assert models["minilm-l6"]["warm"] is True
+    assert "sentiment" in models["minilm-l6"]["tasks"]
+    assert models["vit-demo"]["kind"] == "image"
+
+
+def test_embeddings_match_sentence_transformers_vectors(client):
+    """The OpenAI-style endpoint returns the reference all-MiniLM-L6-v2 vectors."""
+    fx = np.load(FIXTURES / "minilm_parity.npz")
+    picks = [i for i, n in enumerate(fx["lengths"]) if n <= 64][:5]
+    r = client.post("/v1/embeddings", json={"model": "minilm-l6", "input": [str(fx["sentences"][i]) for i in picks]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [d["index"] for d in body["data"]] == list(range(len(picks)))
+    for d, i in zip(body["data"], picks):
+        v = np.array(d["embedding"])
+        assert v @ fx["embeddings"][i] >= 0.99999
+        assert d["meta"]["outcome"] == "ok" and d["meta"]["shape"].startswith("b")
+    assert body["usage"]["prompt_tokens"] == int(sum(fx["lengths"][picks]))
+
+
+def test_single_string_input_and_metadata(client):
+    r = client.post("/v1/embeddings", json={"input": "hello world"})
+    assert r.status_code == 200
+    meta = r.json()["data"][0]["meta"]
+    assert meta["shape"] in ("b1_s16_g0", "b4_s16_g0")
+    assert meta["compute_ms"] > 0 and meta["queue_ms"] >= 0 and meta["batch_size"] >= 1
+
+
+def test_classify_text_sentiment(client):
+    r = client.post("/v1/classify/text", json={"inputs": ["I love this, it's wonderful!", "worst idea ever, I hate it"]})
+    assert r.status_code == 200, r.text
+    res = r.json()["results"]
+    assert [x["label"] for x in res] == ["positive", "negative"]
+    for x in res:
+        assert abs(sum(x["probabilities"].values()) - 1) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "path,payload,status,needle",
+    [
+        ("/v1/embeddings", {"input": []}, 422, "input"),
+        ("/v1/embeddings", {"input": ["x"] * 65}, 422, "limit is 64"),
+        ("/v1/embeddings", {"inputs": ["x"]}, 422, "input"),
+        ("/v1/embeddings", {"input": "x", "colour": "red"}, 422, "colour"),
+        ("/v1/embeddings", {"input": "x", "slo_ms": 0}, 422, "slo_ms"),
+        ("/v1/embeddings", {"input": "x", "slo_ms": -5}, 422, "slo_ms"),
+        ("/v1/embeddings", {"model": "gpt-9", "input": "x"}, 404, "gpt-9"),
+        ("/v1/classify/text", {"task": "astrology", "inputs": ["x"]}, 404, "astrology"),
+        ("/v1/embeddings", {"input": "word " * 100}, 413, "64 tokens"),
+        ("/v1/classify/image", {"inputs": ["not base64!!"]}, 422, "inputs[0]"),
+        ("/v1/classify/image", {"inputs": [[[0.5, float("nan")]]]}, 422, "inputs[0]"),
+        ("/v1/classify/image", {"model": "vit-nope", "inputs": [[[0.0]]]}, 404, "vit-nope"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(client, path, payload, status, needle):
+    import json
+
+    r = client.post(path, content=json.dumps(payload).replace("NaN", "NaN"), headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"] or needle in r.json()["error"].get("field", "")
+
+
+def test_truncation_on_request(client):
+    r = client.post("/v1/embeddings", json={"input": "word " * 100, "truncate": True})
+    assert r.status_code == 200
+    assert r.json()["data"][0]["meta"]["shape"].endswith("s64_g0")
+    assert r.json()["usage"]["prompt_tokens"] == 64
+
+
+def test_malformed_json_and_oversized_body(client):
+    r = client.post("/v1/embeddings", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "JSON" in r.json()["error"]["message"]
+    big = b'{"input": "' + b"a" * (9 * 1024 * 1024) + b'"}'
+    r = client.post("/v1/embeddings", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+    assert client.get("/healthz").status_code == 200
+
+
+def test_image_classification_png_and_arrays(client):
+    import base64
+    import io
+
+    from PIL import Image
+
+    from jaxserve.datasets import digits_examples
+
+    shape = tuple(client.get("/v1/models").json()["models"][1]["image_shape"])
+    images, labels = digits_examples(shape, count=4, seed=1)
+    pngs = []
+    for img in images:
+        buf = io.BytesIO()
+        mode = "L" if shape[2] == 1 else "RGB"
+        arr = (img * 255).round().astype(np.uint8)
+        Image.fromarray(arr[..., 0] if mode == "L" else arr, mode).save(buf, format="PNG")
+        pngs.append(base64.b64encode(buf.getvalue()).decode())
+    r = client.post("/v1/classify/image", json={"task": "digits", "inputs": pngs})
+    assert r.status_code == 200, r.text
+    preds = [x["label"] for x in r.json()["results"]]
+    assert sum(p == str(t) for p, t in zip(preds, labels)) >= 3
+    r2 = client.post("/v1/classify/image", json={"inputs": [img.tolist() for img in images]})
+    assert [x["label"] for x in r2.json()["results"]] == preds
+    wrong = Image.new("RGB" if shape[2] == 1 else "L", (shape[1], shape[0]))
+    buf = io.BytesIO()
+    wrong.save(buf, format="PNG")
+    r3 = client.post("/v1/classify/image", json={"inputs": [base64.b64encode(buf.getvalue()).decode()]})
+    assert r3.status_code == 422 and "channel" in r3.json()["error"]["message"]
+    small = Image.new("L", (5, 5))
+    buf = io.BytesIO()
+    small.save(buf, format="PNG")
+    r4 = client.post("/v1/classify/image", json={"inputs": [base64.b64encode(buf.getvalue()).decode()]})
+    assert r4.status_code == 422 and "5x5" in r4.json()["error"]["message"]
+
+
+def test_every_request_gets_exactly_one_answer_under_overload(server):
+    """A burst far above capacity: each request is answered once, 200 or 429, and the
+    200s plus 429s add up to what was sent; nothing hangs; no compile happens."""
+    metrics_before = httpx.get(server.url + "/metrics").text
+    sent = 300
+    texts = [f"request number {i} about driverless cars" for i in range(sent)]
+
+    def one(i):
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            r = c.post("/v1/embeddings", json={"input": [texts[i]] * 4, "slo_ms": 2000})
+            return r.status_code, r.headers.get("retry-after"), r.json()
+
+    with cf.ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(one, range(sent)))
+    codes = [c for c, _, _ in results]
+    assert len(results) == sent
+    assert set(codes) <= {200, 429}, set(codes)
+    assert codes.count(429) > 0, "the burst should overflow a queue of 64 items"
+    assert all(ra is not None and int(ra) >= 1 for c, ra, _ in results if c == 429)
+    outcomes = [d["meta"]["outcome"] for c, _, b in results if c == 200 for d in b["data"]]
+    assert len(outcomes) == 4 * codes.count(200)
+    assert set(outcomes) <= {"ok", "late", "evicted"}
+    m = httpx.get(server.url + "/metrics").text
+    assert "jaxserve_compilations_since_ready 0.0" in m
+    assert 'jaxserve_requests_total{path="/v1/embeddings",status="429"}' in m
+    assert metrics_before != m
+
+
+def test_tight_slo_is_answered_evicted_not_dropped(client):
+    r = client.post("/v1/embeddings", json={"input": ["quick"] * 4, "slo_ms": 0.001})
+    assert r.status_code == 200
+    assert {d["meta"]["outcome"] for d in r.json()["data"]} == {"evicted"}
+    assert all(d["embedding"] is None for d in r.json()["data"])
+
+
+def test_metrics_expose_the_operational_series(client):
+    client.post("/v1/embeddings", json={"input": ["one", "two"], "slo_ms": 5000})
+    m = client.get("/metrics").text
+    for series in ("jaxserve_requests_total", "jaxserve_queue_depth", "jaxserve_batch_size_bucket",
+                   "jaxserve_padding_ratio_bucket", "jaxserve_executable_latency_seconds_bucket",
+                   "jaxserve_slo_attainment", "jaxserve_compilations ", "jaxserve_items"):
+        assert series in m, series
