@@ -33,9 +33,9 @@ def vit_servable(name: str, cfg, grid: ShapeGrid, prompt_mode: str = "replace") 
     (ToMe merge schedule or prompt count) are static per executable."""
     from functools import partial
 
-    from jaxserve.models.vit import ViT, gamma_settings, vit_forward
+    from jaxserve.models.vit import abstract_vit, gamma_settings, vit_forward
 
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: ViT(cfg, rngs=nnx.Rngs(0))))
+    graphdef, abstract_state = abstract_vit(cfg)
     if any(g > 0 for g in grid.gammas):
         raise NotImplementedError("prompted (gamma > 0) ViT cells need a prompt repository")
 
