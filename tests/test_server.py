@@ -228,3 +228,62 @@ def test_metrics_expose_the_operational_series(client):
                    "jaxserve_padding_ratio_bucket", "jaxserve_executable_latency_seconds_bucket",
                    "jaxserve_slo_attainment", "jaxserve_compilations ", "jaxserve_items"):
         assert series in m, series
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
+    """A real `jaxserve serve` process: requests in flight when SIGTERM lands are all
+    answered in full, new connections are refused afterwards, and the process exits."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.cli", "serve", "--model", "minilm-l6", "--port", str(port),
+         "--cache-dir", str(tmp_path / "cache"), "--batch-sizes", "1,4", "--buckets", "16,64"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stdout.read().decode()
+            time.sleep(0.3)
+
+        def one(i):
+            """(status or exception name, completion time); 16 items at bucket 64 each."""
+            try:
+                with httpx.Client(base_url=url, timeout=60) as c:
+                    r = c.post("/v1/embeddings", json={"input": [f"sentence number {i} " * 8] * 16})
+                    ok = r.status_code != 200 or len(r.json()["data"]) == 16
+                    return (r.status_code if ok else "truncated"), time.monotonic()
+            except httpx.TransportError as exc:
+                return type(exc).__name__, time.monotonic()
+
+        with cf.ThreadPoolExecutor(12) as pool:
+            futures = [pool.submit(one, i) for i in range(12)]
+            time.sleep(0.25)  # the requests are queued or running
+            sent_at = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            results = [f.result() for f in futures]
+        # uvicorn re-raises the captured SIGTERM after its graceful shutdown, so the exit
+        # status is the conventional "terminated by SIGTERM"; the log proves the drain.
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+        log = proc.stdout.read().decode()
+        assert "drained (clean)" in log, log[-2000:]
+        codes = [c for c, _ in results]
+        # accepted work is answered in full; a request that had not connected yet is refused
+        assert set(codes) <= {200, "ConnectError"}, codes
+        assert any(c == 200 and t > sent_at for c, t in results), "nothing was drained after SIGTERM"
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/healthz", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
