@@ -92,7 +92,7 @@ def _staircase(args) -> int:
 
     cfg, model = load_hf_bert(minilm_dir())
     weights = weights_of(model)
-    lengths = list(range(8, 65, 8)) + list(range(80, 257, 16))
+    lengths = list(range(8, 129, 8)) + list(range(144, 257, 16))
     seconds = []
     for length in tqdm(lengths, desc="staircase", unit="length"):
         table = PolymorphTable(bert_servable("minilm-l6", cfg, ShapeGrid((args.batch,), (length,))))
@@ -100,7 +100,13 @@ def _staircase(args) -> int:
         ids = np.full((args.batch, length), 1000, np.int32)
         seconds.append(time_call(lambda: table.run(Cell(args.batch, length), weights, ids, np.ones_like(ids)),
                                  repeats=args.repeats))
-    buckets = buckets_from_latencies(lengths, seconds, tolerance=args.tolerance)
+    if args.rule == "distribution":  # weighted by the real tweet lengths: fine steps where traffic is
+        from jaxserve.datasets import tweet_token_lengths
+        from jaxserve.profiler import buckets_for_distribution
+
+        buckets = buckets_for_distribution(lengths, seconds, tweet_token_lengths(), num_buckets=args.num_buckets)
+    else:
+        buckets = buckets_from_latencies(lengths, seconds, tolerance=args.tolerance)
     out = Path(args.out or PROFILES / "minilm-l6-staircase.json")
     save_staircase(out, "minilm-l6", args.batch, lengths, seconds, buckets)
     print("length  ms")
@@ -230,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     common(sp)
     sp.add_argument("--staircase", action="store_true", help="profile latency vs length and choose buckets")
     sp.add_argument("--batch", type=int, default=8)
+    sp.add_argument("--rule", choices=("distribution", "tolerance"), default="distribution",
+                    help="distribution: minimise expected padded latency of real tweet lengths; "
+                         "tolerance: cap each input's padding cost")
+    sp.add_argument("--num-buckets", type=int, default=9)
     sp.add_argument("--tolerance", type=float, default=0.25)
     sp.add_argument("--repeats", type=int, default=5)
     sp.add_argument("--out", default=None)

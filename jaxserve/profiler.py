@@ -55,7 +55,7 @@ def buckets_from_latencies(
 
 def buckets_for_distribution(
     lengths: Sequence[int], seconds: Sequence[float], observed: Sequence[int], num_buckets: int = 8,
-    max_length: int | None = None,
+    max_length: int | None = None, max_ratio: float = 2.0,
 ) -> tuple[int, ...]:
     """The ``num_buckets`` boundaries that minimise the expected padded latency of the
     ``observed`` input lengths, given the measured curve t(length) — an exact DP.
@@ -64,7 +64,9 @@ def buckets_for_distribution(
     buckets on lengths nobody sends; weighting by the real distribution puts the fine
     steps where the traffic is. Candidate boundaries are the measured lengths; the
     largest (``max_length``, default the largest measured) is always a boundary so the
-    grid covers every input the model accepts.
+    grid covers every input the model accepts. ``max_ratio`` bounds each bucket to at
+    most that multiple of the one below it, so traffic unlike the observed sample (long
+    documents instead of tweets) never pays more than ~2x padding.
     """
     order = np.argsort(lengths)
     L = np.array([int(lengths[i]) for i in order])
@@ -88,6 +90,8 @@ def buckets_for_distribution(
         cost[j, 1] = prefix[j + 1] * t[j]
         for k in range(2, k_max + 1):
             for i in range(k - 2, j):
+                if L[j] > max_ratio * L[i]:
+                    continue
                 c = cost[i, k - 1] + (prefix[j + 1] - prefix[i + 1]) * t[j]
                 if c < cost[j, k]:
                     cost[j, k], back[j, k] = c, i
