@@ -22,7 +22,10 @@ import jax
 import numpy as np
 
 from bench.common import record, table
+from jaxserve.compile_cache import compile_count, compile_seconds
 from jaxserve.datasets import load_tweets
+from flax import nnx
+
 from jaxserve.models.bert import BERT_CONFIGS, init_bert, load_hf_bert, make_encode_fn
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.polymorph import PolymorphTable, pad_token_batch
@@ -51,24 +54,22 @@ def batches_grouped(seqs, batch, key, window=64):
     return out
 
 
-def run_batches(label, batches, cell_of, executables, weights, compile_fn=None):
-    """Serve ``batches``; returns (seconds, per-batch latencies, compile count, compile seconds)."""
-    lat, compiles, compile_s = [], 0, 0.0
+def run_batches(batches, cell_of, executables, weights, naive_jit=None):
+    """Serve ``batches``; returns (seconds, per-batch latencies, compile count, compile seconds).
+
+    With ``naive_jit`` (a fresh ``jax.jit`` function) every batch calls it directly at its
+    exact length: it compiles each new length on first sight, inside the request."""
+    c0, s0 = compile_count(), compile_seconds()
+    lat = []
     t_all = time.perf_counter()
     for b in batches:
         cell = cell_of(b)
         t0 = time.perf_counter()
-        exe = executables.get(cell)
-        if exe is None:  # naive jit: first sight of a shape compiles, inside the request
-            c0 = time.perf_counter()
-            exe = compile_fn(cell)
-            compile_s += time.perf_counter() - c0
-            compiles += 1
-            executables[cell] = exe
         ids, mask = pad_token_batch(b, cell)
+        exe = naive_jit if naive_jit is not None else executables[cell]
         jax.block_until_ready(exe(weights, ids, mask))
         lat.append(time.perf_counter() - t0)
-    return time.perf_counter() - t_all, np.array(lat), compiles, compile_s
+    return time.perf_counter() - t_all, np.array(lat), compile_count() - c0, compile_seconds() - s0
 
 
 def bench_model(name: str, requests: int, batch: int, seed: int, repeats: int):
@@ -82,7 +83,8 @@ def bench_model(name: str, requests: int, batch: int, seed: int, repeats: int):
     real_tokens = sum(map(len, seqs))
     buckets = default_text_buckets("minilm-l6")
     batch_sizes = (batch,)
-    encode = jax.jit(make_encode_fn(__import__("flax").nnx.split(model)[0]))
+    graphdef = nnx.split(model)[0]
+    encode = jax.jit(make_encode_fn(graphdef))
 
     def compile_exact(cell):
         spec = jax.ShapeDtypeStruct((cell.batch, cell.seq), np.int32)
@@ -103,17 +105,17 @@ def bench_model(name: str, requests: int, batch: int, seed: int, repeats: int):
     arrival = batches_in_arrival_order(seqs, batch)
     bucketed = batches_grouped(seqs, batch, key=lambda s: (poly.servable.grid.cell_for(1, len(s)).seq, len(s)))
     alternatives = {
-        "(a) pad to 512 (ST)": (arrival, lambda b: Cell(batch, 512), st_exes, None),
+        "(a) pad to 512 (ST)": (arrival, lambda b: Cell(batch, 512), st_exes, False),
         "(b) polymorph buckets": (bucketed, lambda b: poly.servable.grid.cell_for(len(b), max(map(len, b))),
-                                  poly_exes, None),
-        "(c) naive jit, exact length": (arrival, lambda b: Cell(batch, max(map(len, b))), {}, compile_exact),
-        "(d) no-padding limit": (exact_batches, lambda b: Cell(batch, max(map(len, b))), limit_exes, None),
+                                  poly_exes, False),
+        "(c) naive jit, exact length": (arrival, lambda b: Cell(batch, max(map(len, b))), None, True),
+        "(d) no-padding limit": (exact_batches, lambda b: Cell(batch, max(map(len, b))), limit_exes, False),
     }
     results = {k: [] for k in alternatives}
     for rep in range(repeats):  # interleave the alternatives so drift hits all of them alike
-        for label, (batches, cell_of, exes, compile_fn) in alternatives.items():
-            fresh = {} if compile_fn is not None else exes
-            results[label].append(run_batches(label, batches, cell_of, fresh, weights, compile_fn))
+        for label, (batches, cell_of, exes, naive) in alternatives.items():
+            fresh_jit = jax.jit(make_encode_fn(graphdef)) if naive else None  # a new function: cold caches
+            results[label].append(run_batches(batches, cell_of, exes, weights, fresh_jit))
     rows = []
     limit_tps = None
     summary = {}

@@ -105,6 +105,11 @@ def compile_count() -> int:
     return _compile_counter["backend_compiles"]
 
 
+def compile_seconds() -> float:
+    install_compile_counter()
+    return _compile_counter["seconds"]
+
+
 def _owner_only_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path, 0o700)
