@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from jaxserve.compile_cache import compile_count
+from jaxserve.compile_cache import compile_count, xla_cache_hits
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -18,8 +18,12 @@ class _EngineCollector:
 
     def collect(self):
         eng = self.state.engine
-        g = GaugeMetricFamily("jaxserve_compilations", "XLA backend compilations in this process")
+        g = GaugeMetricFamily("jaxserve_compilations", "XLA backend compilations in this process "
+                              "(persistent-cache retrievals included)")
         g.add_metric([], compile_count())
+        yield g
+        g = GaugeMetricFamily("jaxserve_xla_cache_hits", "compilations served by the XLA persistent cache")
+        g.add_metric([], xla_cache_hits())
         yield g
         g = GaugeMetricFamily("jaxserve_compilations_since_ready",
                               "compilations after warmup finished (must stay 0: serving never compiles)")
