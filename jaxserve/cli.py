@@ -11,8 +11,17 @@ from pathlib import Path
 MODELS = ("minilm-l6", "vit-demo")
 
 
+TEXT_STREAM_POLICIES = ("arlo", "st", "dt", "infaas")  # one text stream owns every instance
+
+
 def _models(args) -> tuple[str, ...]:
-    return tuple(args.model) if args.model else MODELS
+    if args.model:
+        return tuple(args.model)
+    if getattr(args, "policy", None) in TEXT_STREAM_POLICIES:
+        return ("minilm-l6",)
+    if getattr(args, "policy", None) in OTAS_FAMILY:
+        return ("vit-demo",)
+    return MODELS
 
 
 def cmd_warmup(args) -> int:
@@ -39,6 +48,28 @@ def _ints(text: str | None) -> tuple[int, ...] | None:
     return tuple(int(x) for x in text.split(",")) if text else None
 
 
+OTAS_FAMILY = ("otas", "pets", "tome", "vpt")  # OTAS and its baselines: one image model (§III-A)
+
+
+def _image_gammas(args) -> tuple[int, ...]:
+    """The image grid's gammas: --gammas if given; under an OTAS-family policy (or when
+    profiling accuracy) the model's whole OTAS list, so every baseline compiles the same grid
+    and uses only its column; otherwise the vanilla model alone."""
+    from jaxserve.registry import OTAS_GAMMAS
+
+    if getattr(args, "gammas", None):
+        return _ints(args.gammas)
+    if getattr(args, "policy", None) in OTAS_FAMILY or getattr(args, "accuracy", False):
+        return OTAS_GAMMAS["vit-demo"]
+    return (0,)
+
+
+def _otas_extra(args) -> dict:
+    if getattr(args, "policy", None) not in OTAS_FAMILY:
+        return {}
+    return {"otas": {"tome_gamma": args.tome_gamma, "vpt_gamma": args.vpt_gamma}}
+
+
 def cmd_serve(args) -> int:
     from serving.server import ServeSettings, serve
 
@@ -50,7 +81,10 @@ def cmd_serve(args) -> int:
         models=_models(args), cache_dir=args.cache_dir, policy=args.policy, instances=args.instances,
         max_queue=args.max_queue, max_wait_ms=args.max_wait_ms, cost_model=args.cost_model,
         text_grid=text_grid(buckets=_ints(args.buckets), batch_sizes=batches),
-        image_grid=ShapeGrid(_ints(args.batch_sizes) or DEFAULT_IMAGE_BATCHES),
+        image_grid=ShapeGrid(_ints(args.batch_sizes) or DEFAULT_IMAGE_BATCHES, gammas=_image_gammas(args)),
+        extra=_otas_extra(args),
+        slo_ms=args.slo_ms, arlo_period_s=args.arlo_period_s, arlo_max_batch=args.arlo_max_batch,
+        dt_penalty=args.dt_penalty,
     )
     serve(settings, host=args.host, port=args.port)
     return 0
@@ -65,14 +99,27 @@ def cmd_profile(args) -> int:
 
     if args.staircase:
         return _staircase(args)
+    from jaxserve.registry import DEFAULT_IMAGE_BATCHES
+    from jaxserve.sched.base import ShapeGrid
+
     cache = CompileCache(args.cache_dir)
-    runtimes = load_runtimes(ServeSettings(models=_models(args), cache_dir=args.cache_dir), cache)
+    image_grid = ShapeGrid(_ints(args.batch_sizes) or DEFAULT_IMAGE_BATCHES, gammas=_image_gammas(args))
+    runtimes = load_runtimes(ServeSettings(models=_models(args), cache_dir=args.cache_dir, image_grid=image_grid),
+                             cache)
     latency = {
         name: profile_table(rt.table, rt.weights, lambda c, rt=rt: example_inputs(rt, c),
                             repeats=args.repeats, progress=True)
         for name, rt in runtimes.items()
     }
-    cost = CostModel(latency=latency, machine=machine_description())
+    accuracy = {}
+    if args.accuracy:  # OTAS: accuracy per (task, gamma) on the held-out profiling split
+        from jaxserve.prompts import digit_task_split, profile_accuracy
+
+        for name, rt in runtimes.items():
+            if rt.kind == "image" and rt.prompts is not None:
+                splits = {t: digit_task_split(t, "profile", rt.image_shape) for t in rt.prompts.tasks}
+                accuracy[name] = profile_accuracy(rt, splits, progress=True)
+    cost = CostModel(latency=latency, accuracy=accuracy, machine=machine_description())
     out = Path(args.out or Path(args.cache_dir) / "cost_model.json")
     save_cost_model(out, cost)
     print(f"cost model: {out}")
@@ -147,16 +194,22 @@ def cmd_simulate(args) -> int:
             lengths = np.minimum(lengths, grid.max_length)
         trace = traces.make_trace(arrivals, model=model, length=lengths, slo_s=slo)
     else:
-        trace = traces.load_trace(args.trace)
+        loaded = traces.load_trace(args.trace)
+        models = np.where(loaded.model == "", model, loaded.model)  # a file without a model column
+        trace = traces.make_trace(loaded.arrival, model=models, length=loaded.length, slo_s=loaded.slo_s,
+                                  utility=loaded.utility, task=loaded.task)
 
     class _RT:  # the policy factory only needs each model's grid
         def __init__(self, g):
             self.grid = g
 
-    settings = ServeSettings(policy=args.policy, max_queue=args.max_queue, max_wait_ms=args.max_wait_ms)
+    settings = ServeSettings(policy=args.policy, max_queue=args.max_queue, max_wait_ms=args.max_wait_ms,
+                             instances=args.instances, slo_ms=args.slo_ms)
     policy = make_policy(settings, {model: _RT(grid)}, cost)
     t0 = time.perf_counter()
-    result = simulate(policy, trace, cost, instances=args.instances)
+    # DT's modelled dynamic-shape cost replaces the static cell's price
+    result = simulate(policy, trace, cost, instances=args.instances,
+                      service_time=getattr(policy, "service_time", None))
     wall = time.perf_counter() - t0
     summary = result.summary()
     summary["wall_seconds"] = wall
@@ -207,6 +260,28 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def train_prompts_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``jaxserve train-prompts`` (and ``python -m training.train_prompts``); the
+    defaults are training.train_prompts.PromptSettings' (tests/test_prompts.py checks)."""
+    parser.add_argument("--out", default=None, help="repository directory (default: jaxserve/assets/vit-demo-prompts)")
+    parser.add_argument("--tasks", default="digits,parity,inverted", help="subset of digits,parity,inverted")
+    parser.add_argument("--prompts", default="2,4,8", help="prompt counts P > 0 to train (P = 0 always)")
+    parser.add_argument("--mode", default="replace", choices=("replace", "accumulate"))
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-profile", action="store_true", help="skip the accuracy profile")
+
+
+def cmd_train_prompts(args) -> int:
+    """OTAS prompt training on the frozen demo ViT (training/train_prompts.py)."""
+    from training.train_prompts import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -223,13 +298,23 @@ def main(argv: list[str] | None = None) -> int:
     common(sp)
     sp.add_argument("--host", default="127.0.0.1")
     sp.add_argument("--port", type=int, default=8000)
-    sp.add_argument("--policy", default="default")
+    sp.add_argument("--policy", default="default", help="default | arlo | st | dt | infaas")
     sp.add_argument("--instances", type=int, default=1)
     sp.add_argument("--max-queue", type=int, default=256)
     sp.add_argument("--max-wait-ms", type=float, default=5.0)
     sp.add_argument("--cost-model", default=None)
     sp.add_argument("--batch-sizes", default=None, help="e.g. 1,2,4,8 (default: 1,2,4,8,16,32)")
     sp.add_argument("--buckets", default=None, help="text buckets, e.g. 16,32,64 (default: profiled staircase)")
+    sp.add_argument("--slo-ms", type=float, default=None,
+                    help="arlo/st/dt/infaas: the stream's SLO (default: the paper's 150 ms scaled by the profile)")
+    sp.add_argument("--arlo-period-s", type=float, default=120.0, help="arlo: Runtime Scheduler period")
+    sp.add_argument("--arlo-max-batch", type=int, default=1, help="arlo/st/dt/infaas: requests per batch")
+    sp.add_argument("--dt-penalty", type=float, default=None, help="dt: dynamic-shape slowdown (default 1.22)")
+    sp.add_argument("--gammas", default=None,
+                    help="image OTAS gammas, e.g. --gammas=-2,0,2 (default: the model's OTAS list under "
+                         "--policy otas|pets|tome|vpt, else 0)")
+    sp.add_argument("--tome-gamma", type=int, default=None, help="tome: its fixed gamma (default: the most negative)")
+    sp.add_argument("--vpt-gamma", type=int, default=None, help="vpt: its fixed gamma (default 2)")
     sp.set_defaults(fn=cmd_serve)
 
     sp = sub.add_parser("profile", help="measure per-cell latency (cost model) or the bucket staircase")
@@ -243,7 +328,16 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--tolerance", type=float, default=0.25)
     sp.add_argument("--repeats", type=int, default=5)
     sp.add_argument("--out", default=None)
+    sp.add_argument("--batch-sizes", default=None, help="image batch sizes, e.g. 1,2,4,8")
+    sp.add_argument("--gammas", default=None, help="image gammas, e.g. --gammas=-4,0,2 (default 0; with "
+                                                   "--accuracy the model's OTAS list)")
+    sp.add_argument("--accuracy", action="store_true",
+                    help="also profile accuracy per (task, gamma) on the held-out profiling split (OTAS)")
     sp.set_defaults(fn=cmd_profile)
+
+    sp = sub.add_parser("train-prompts", help="train OTAS prompts and heads on the frozen demo ViT")
+    train_prompts_arguments(sp)
+    sp.set_defaults(fn=cmd_train_prompts)
 
     sp = sub.add_parser("simulate", help="run a policy on a virtual clock")
     sp.add_argument("--cost-model", default="compiled_cache/cost_model.json")
