@@ -69,6 +69,7 @@ def run(kind: str, arrivals_kind: str, instances: int, load: float, n: int, seed
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=200_000)
+    parser.add_argument("--write", action="store_true", help="record the table in bench/RESULTS.md")
     args = parser.parse_args()
     print(f"DeadlineBatching(max_wait=5 ms, max_queue=4096), SLO 50 ms; offered load is relative to "
           f"full (32, 32) batches, so text traces with longer buckets run hotter (see utilization)\n")
@@ -91,13 +92,19 @@ def main() -> None:
             f"{s['p99'] * 1e3:.1f} |"
         )
         print(rows[-1], flush=True)
-    print()
-    print(
+    text = "\n".join([
         "| model | arrivals | instances | offered load | requests | wall s | simulated req/min "
-        "| utilization | mean batch | SLO att. | evicted | rejected | p99 ms |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+        "| utilization | mean batch | SLO att. | evicted | rejected | p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ])
+    print()
+    print(text)
+    if args.write:
+        from bench.common import record
+
+        record("sim_speed", "Simulator speed", text,
+               "DeadlineBatching (max_wait 5 ms), SLO 50 ms, synthetic profile. Goal: ≥ 1M simulated requests/min.")
 
 
 if __name__ == "__main__":
