@@ -279,8 +279,12 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
         log = proc.stdout.read().decode()
         assert "drained (clean)" in log, log[-2000:]
         codes = [c for c, _ in results]
-        # accepted work is answered in full; a request that had not connected yet is refused
-        assert set(codes) <= {200, "ConnectError"}, codes
+        # Accepted work is answered in full. A request still in the kernel's listen backlog
+        # when the listener closes is refused or reset (a transport error) and never
+        # reached the app: the access log's count of answers equals the client's 200s.
+        assert all(c == 200 or isinstance(c, str) for c in codes), codes  # no HTTP error status
+        assert log.count('"POST /v1/embeddings HTTP/1.1" 200') == codes.count(200), log[-3000:]
+        assert 'POST /v1/embeddings HTTP/1.1" 5' not in log
         assert any(c == 200 and t > sent_at for c, t in results), "nothing was drained after SIGTERM"
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/healthz", timeout=2)
