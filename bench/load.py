@@ -11,7 +11,8 @@ rate whose p98 stays within the SLO with >= 99% of requests answered ok.
 It also measures the HTTP overhead (client p50 at batch 1 minus the engine's own
 queue + compute time reported in the answer), and compares jaxserve against a plain
 FastAPI endpoint that calls the jitted function once per request (no batching),
-started by this script on another port (``bench/naive_server.py``).
+started by this script on another port (``bench/naive_server.py``) and warmed on every
+length the sweep sends, so the comparison measures batching, not first-sight compiles.
 
     python -m bench.load [--rates 10,20,40,...] [--duration 20] [--slo-ms 200] [--write]
 """
@@ -144,6 +145,22 @@ def stop(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+def warm_naive(url: str, texts: list[str]) -> None:
+    """Send one text of every distinct token length once, so the naive peer has compiled
+    every shape the sweep will send: the comparison is then batching, not compiling."""
+    from jaxserve.models.tokenizer import TextTokenizer
+    from jaxserve.registry import minilm_dir
+
+    tok = TextTokenizer(minilm_dir() / "tokenizer.json")
+    by_len = {}
+    for text, ids in zip(texts, tok.encode(texts)):
+        by_len.setdefault(min(len(ids), 256), text)
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for text in by_len.values():
+            c.post(TEXT_PATH, json={"input": text})
+    print(f"naive peer warmed on {len(by_len)} distinct lengths", flush=True)
+
+
 def sweep(url: str, rates: list[float], duration: float, slo_ms: float, kind: str, texts, seed: int):
     results = []
     for rate in rates:
@@ -164,7 +181,7 @@ def knee(results: list[LoadResult], slo_ms: float) -> LoadResult | None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rates", default="10,20,40,60,80,100,130,160,200")
+    ap.add_argument("--rates", default="5,10,20,40,60,80,100,130,160,200,250")
     ap.add_argument("--duration", type=float, default=15.0)
     ap.add_argument("--slo-ms", type=float, default=200.0)
     ap.add_argument("--port", type=int, default=8011)
@@ -205,6 +222,7 @@ def main():
 
     naive = start([py, "-m", "bench.naive_server", "--port", str(args.port + 1)], f"http://127.0.0.1:{args.port + 1}")
     try:
+        warm_naive(f"http://127.0.0.1:{args.port + 1}", texts)
         res = sweep(f"http://127.0.0.1:{args.port + 1}", rates, args.duration, args.slo_ms, "poisson", texts, args.seed)
         knees[("naive", "poisson")] = knee(res, args.slo_ms)
         for r in res:
