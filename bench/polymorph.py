@@ -34,7 +34,14 @@ from jaxserve.sched.base import Cell, ShapeGrid
 from jaxserve.servables import bert_servable, weights_of
 
 
-def sample_tokens(n: int, seed: int, max_len: int = 256) -> list[list[int]]:
+def sample_tokens(n: int, seed: int, max_len: int = 256, lengths_file: str | None = None) -> list[list[int]]:
+    """``n`` real tweets, tokenized; or, on a machine without the corpus (a GPU host),
+    token lists of the real tweet lengths saved in ``lengths_file`` (content is irrelevant
+    to timing)."""
+    if lengths_file:
+        lengths = np.load(lengths_file)
+        pick = np.minimum(np.random.default_rng(seed).choice(lengths, size=n, replace=False), max_len)
+        return [[101] + [1000] * (int(n_) - 2) + [102] for n_ in pick]
     tok = TextTokenizer(minilm_dir() / "tokenizer.json")
     texts, _ = load_tweets()
     idx = np.random.default_rng(seed).choice(len(texts), size=n, replace=False)
@@ -72,14 +79,14 @@ def run_batches(batches, cell_of, executables, weights, naive_jit=None):
     return time.perf_counter() - t_all, np.array(lat), compile_count() - c0, compile_seconds() - s0
 
 
-def bench_model(name: str, requests: int, batch: int, seed: int, repeats: int):
-    if name == "minilm-l6":
+def bench_model(name: str, requests: int, batch: int, seed: int, repeats: int, lengths_file=None):
+    if name == "minilm-l6" and not lengths_file:
         cfg, model = load_hf_bert(minilm_dir())
     else:
         cfg = BERT_CONFIGS[name]
         model = init_bert(cfg, seed=0)
     weights = weights_of(model)
-    seqs = sample_tokens(requests, seed)
+    seqs = sample_tokens(requests, seed, lengths_file=lengths_file)
     real_tokens = sum(map(len, seqs))
     buckets = default_text_buckets("minilm-l6")
     batch_sizes = (batch,)
@@ -141,10 +148,14 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write", action="store_true", help="record the table in bench/RESULTS.md")
+    ap.add_argument("--lengths-file", default=None, help="npy of real tweet token lengths (hosts without the "
+                    "corpus); MiniLM then uses random weights of its config")
+    ap.add_argument("--key", default="polymorph", help="RESULTS.md section (e.g. polymorph_gpu)")
     args = ap.parse_args()
     all_rows = []
     for name in args.models.split(","):
-        rows, buckets, mean_len = bench_model(name, args.requests, args.batch, args.seed, args.repeats)
+        rows, buckets, mean_len = bench_model(name, args.requests, args.batch, args.seed, args.repeats,
+                                              args.lengths_file)
         all_rows += rows
     header = ["model", "alternative", "real tokens/s", "× limit", "× ST", "mean ms", "p98 ms", "compiles",
               "compile s"]
@@ -154,7 +165,7 @@ def main():
     print(text)
     print(notes)
     if args.write:
-        record("polymorph", "Polymorph buckets vs ST, naive jit and the no-padding limit", text, notes)
+        record(args.key, f"Polymorph buckets vs ST, naive jit and the no-padding limit ({args.key})", text, notes)
 
 
 if __name__ == "__main__":
