@@ -18,8 +18,8 @@ to [1, 512]. Runtimes: buckets 512/I apart. Latency: a BERT-Base-like batch-1
 profile, 1.5 ms + 0.02 ms/token, SLO 150 ms -- or a measured one with
 ``--cost-model cost.json --model NAME``.
 
-Usage: ``.venv/bin/python bench/arlo_solver.py [--runs 20] [--cost-model F --model M]``
-Prints markdown tables; it does not write bench/RESULTS.md.
+Usage: ``nice -n 10 .venv/bin/python bench/arlo_solver.py [--runs 20] [--cost-model F --model M] [--write]``
+Prints markdown tables; ``--write`` records them as the "arlo_solver" section of bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -84,6 +84,16 @@ def problem_for(gpus: int, runtimes: int, load: float, seed: int, profile: Laten
     return AllocationProblem(demand, capacity, gpus, curves)
 
 
+_LINES: list[str] = []
+
+
+def emit(*parts, flush: bool = False, **_) -> None:
+    """print, and keep the line for --write."""
+    line = " ".join(str(p) for p in parts)
+    print(line, flush=True)
+    _LINES.append(line)
+
+
 def timed(fn, *args):
     gc.collect()
     t = time.perf_counter()
@@ -92,9 +102,9 @@ def timed(fn, *args):
 
 
 def solver_table(runs: int, profile: LatencyProfile | None) -> None:
-    print("### Runtime Scheduler: exact solve time (s), mean of", runs, "runs (max in brackets)\n")
-    print("| GPUs | runtimes | load | Gurobi (paper) | DP | DP / Gurobi | MILP (HiGHS) | MILP / Gurobi | same optimum |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
+    emit("### Runtime Scheduler: exact solve time (s), mean of", runs, "runs (max in brackets)\n")
+    emit("| GPUs | runtimes | load | Gurobi (paper) | DP | DP / Gurobi | MILP (HiGHS) | MILP / Gurobi | same optimum |")
+    emit("|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
     for (gpus, runtimes), paper in GUROBI.items():
         for load in (0.5, 0.8, 1.2):
             dp_t, milp_t, agree = [], [], True
@@ -106,18 +116,18 @@ def solver_table(runs: int, profile: LatencyProfile | None) -> None:
                 milp_t.append(tb)
                 agree &= abs(a.objective - b.objective) <= 1e-7 * max(1.0, abs(a.objective))
             dm, mm = statistics.mean(dp_t), statistics.mean(milp_t)
-            print(
+            emit(
                 f"| {gpus} | {runtimes} | {load:.0%} | {paper:.3f} | {dm:.3f} ({max(dp_t):.3f}) | {dm / paper:.3f} "
                 f"| {mm:.3f} ({max(milp_t):.3f}) | {mm / paper:.3f} | {'yes' if agree else 'NO'} |",
                 flush=True,
             )
-    print()
+    emit()
 
 
 def dispatch_table(repeats: int) -> None:
-    print(f"### Request Scheduler: time to dispatch a burst (ms), best / median of {repeats}\n")
-    print("| dispatcher | instances | runtimes | requests | initial load | L | best ms | median ms | us/request | demoted |")
-    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+    emit(f"### Request Scheduler: time to dispatch a burst (ms), best / median of {repeats}\n")
+    emit("| dispatcher | instances | runtimes | requests | initial load | L | best ms | median ms | us/request | demoted |")
+    emit("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     runtimes = 12
     buckets = buckets_for(runtimes)
     capacity = [LatencyCurve(synthetic_profile(buckets), s, 1).capacity(SLO) for s in buckets]
@@ -149,12 +159,12 @@ def dispatch_table(repeats: int) -> None:
                 demoted = sum(d.level_of(i) > d.fitting_level(n) for i, n in zip(chosen, lengths)) / len(lengths)
                 best, med = min(times) * 1e3, statistics.median(times) * 1e3
                 name = {"arlo": "Arlo (Alg. 1)", "ilb": "ILB", "ig": "IG"}[cls.name]
-                print(
+                emit(
                     f"| {name} | {instances} | {runtimes} | {len(lengths)} | {initial} | {peek} | {best:.3f} "
                     f"| {med:.3f} | {best * 1e3 / len(lengths):.2f} | {demoted:.1%} |",
                     flush=True,
                 )
-    print(f"\nPaper (C++, Fig. 9): {PAPER_DISPATCH_MS} ms for 2400 requests over 1200 instances; budget here: 10 ms.\n")
+    emit(f"\nPaper (C++, Fig. 9): {PAPER_DISPATCH_MS} ms for 2400 requests over 1200 instances; budget here: 10 ms.\n")
 
 
 def main() -> None:
@@ -165,6 +175,7 @@ def main() -> None:
     ap.add_argument("--model", default="bert", help="model name inside --cost-model")
     ap.add_argument("--skip-solver", action="store_true")
     ap.add_argument("--skip-dispatch", action="store_true")
+    ap.add_argument("--write", action="store_true", help="record the tables in bench/RESULTS.md")
     args = ap.parse_args()
     profile = None
     if args.cost_model:
@@ -174,6 +185,18 @@ def main() -> None:
         solver_table(args.runs, profile)
     if not args.skip_dispatch:
         dispatch_table(args.repeats)
+    if args.write:
+        import os
+
+        from bench.common import record
+
+        load = os.getloadavg()[0]
+        notes = (f"python {sys.version.split()[0]}, numpy {np.__version__}, HiGHS via highspy, one thread. "
+                 f"Wall-clock times on a shared 2-core machine (load average {load:.1f} at the end of the run), "
+                 "so they are upper bounds. Synthetic BERT-Base-like profile unless --cost-model is given; "
+                 "workload and loads as in the module docstring of bench/arlo_solver.py.")
+        record("arlo_solver", "Arlo overheads (§5.1.4): Runtime Scheduler solve time and Request Scheduler dispatch",
+               "\n".join(_LINES).strip(), notes)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def cmd_serve(args) -> int:
         image_grid=ShapeGrid(_ints(args.batch_sizes) or DEFAULT_IMAGE_BATCHES, gammas=_image_gammas(args)),
         extra=_otas_extra(args),
         slo_ms=args.slo_ms, arlo_period_s=args.arlo_period_s, arlo_max_batch=args.arlo_max_batch,
-        dt_penalty=args.dt_penalty,
+        dt_penalty=args.dt_penalty, arlo_autoscale_from=args.arlo_autoscale_from,
     )
     serve(settings, host=args.host, port=args.port)
     return 0
@@ -269,7 +269,7 @@ def train_prompts_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", default="replace", choices=("replace", "accumulate"))
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--lr", type=float, default=3e-2)
     parser.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-profile", action="store_true", help="skip the accuracy profile")
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--policy", default="default", help="default | arlo | st | dt | infaas")
     sp.add_argument("--instances", type=int, default=1)
     sp.add_argument("--max-queue", type=int, default=256)
-    sp.add_argument("--max-wait-ms", type=float, default=5.0)
+    sp.add_argument("--max-wait-ms", type=float, default=0.0)
     sp.add_argument("--cost-model", default=None)
     sp.add_argument("--batch-sizes", default=None, help="e.g. 1,2,4,8 (default: 1,2,4,8,16,32)")
     sp.add_argument("--buckets", default=None, help="text buckets, e.g. 16,32,64 (default: profiled staircase)")
@@ -310,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--arlo-period-s", type=float, default=120.0, help="arlo: Runtime Scheduler period")
     sp.add_argument("--arlo-max-batch", type=int, default=1, help="arlo/st/dt/infaas: requests per batch")
     sp.add_argument("--dt-penalty", type=float, default=None, help="dt: dynamic-shape slowdown (default 1.22)")
+    sp.add_argument("--arlo-autoscale-from", type=int, default=None,
+                    help="arlo: start N of the --instances worker slots and scale by target tracking (§4)")
     sp.add_argument("--gammas", default=None,
                     help="image OTAS gammas, e.g. --gammas=-2,0,2 (default: the model's OTAS list under "
                          "--policy otas|pets|tome|vpt, else 0)")
@@ -350,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--policy", default="default")
     sp.add_argument("--instances", type=int, default=1)
     sp.add_argument("--max-queue", type=int, default=256)
-    sp.add_argument("--max-wait-ms", type=float, default=5.0)
+    sp.add_argument("--max-wait-ms", type=float, default=0.0)
     sp.add_argument("--seed", type=int, default=0)
     sp.set_defaults(fn=cmd_simulate)
 

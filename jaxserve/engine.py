@@ -167,7 +167,8 @@ class Engine:
             p = self._queued.pop(rid, None)
             if p is not None and not p.future.done():
                 self.stats.outcomes["evicted"] += 1
-                p.future.set_result(Answer({}, "evicted", queue_ms=(now - p.request.arrival) * 1e3))
+                p.future.set_result(Answer(self._served_info(rid), "evicted",
+                                           queue_ms=(now - p.request.arrival) * 1e3))
         for batch in plan.batches:
             self._dispatch(batch, now)
         self._arm_timer(plan.wake_at)
@@ -233,6 +234,7 @@ class Engine:
             for obs in self.stats.observers:
                 obs(batch, out, pendings, now - started)
             for p, item_out in zip(pendings, out.items):
+                item_out = {**item_out, **self._served_info(p.request.id)}
                 outcome = "ok" if now <= p.request.deadline else "late"
                 self.stats.outcomes[outcome] += 1
                 if not p.future.done():
@@ -241,6 +243,12 @@ class Engine:
                         queue_ms=(started - p.request.arrival) * 1e3, compute_ms=out.compute_seconds * 1e3,
                     ))
         self._schedule()
+
+    def _served_info(self, request_id: int) -> dict:
+        """What the policy reports about how a request was served, merged into its answer's
+        outputs (OTAS policies: ``gamma`` and the paper's ``outcome_type``); {} otherwise."""
+        describe = getattr(self.policy, "describe_request", None)
+        return describe(request_id) if describe is not None else {}
 
     def _restart_worker(self, instance: int) -> None:
         """Replace the worker pool slot: the failed thread's state is not trusted again."""

@@ -80,9 +80,35 @@ def vit_demo_dir() -> Path:
     return path
 
 
-def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | None = None, progress: bool = False):
-    """The demo ViT warmed over its grid; its own head serves the ``digits`` task."""
+# OTAS gamma lists (per-layer token change; > 0 prompts, < 0 ToMe merges). ViT-B/16 uses the
+# paper's list (§V Setup). The demo ViT has 16 patch tokens over 4 layers, where the paper's
+# merge counts all collapse to "merge everything" (r = 5 per layer already leaves 2 patches), so
+# its negative side is rescaled to merge the same *fraction* of patch tokens over the network:
+# ViT-B r = 5/10/15/20 merges 31/61/92/99% of 196 patches; demo r = 1/2/3/4 merges 25/50/75/88%
+# of 16 (gamma_settings keeps >= 2 patch tokens). Prompt counts are absolute learned tokens, so
+# the positive side keeps the paper's 2/4/8.
+OTAS_GAMMAS = {
+    "vit-b16": (-20, -15, -10, -5, 0, 2, 4, 8),
+    "vit-demo": (-4, -3, -2, -1, 0, 2, 4, 8),
+}
+
+
+def vit_demo_prompts_dir() -> Path:
+    """The demo ViT's prompt repository (trained by ``jaxserve train-prompts``)."""
+    return ASSETS / "vit-demo-prompts"
+
+
+def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | None = None, progress: bool = False,
+                       prompts_dir: Path | None = None):
+    """The demo ViT warmed over its grid, serving every task of its prompt repository.
+
+    Each task's prompts and heads come from the repository (jaxserve/prompts.py) and are
+    gathered per sample, so mixed-task batches share one executable per (gamma, batch). Without
+    a trained repository the backbone's own head serves ``digits`` at gamma <= 0 only. A grid
+    with a gamma some task has no prompts for is refused at load, not at request time.
+    """
     from jaxserve.polymorph import PolymorphTable
+    from jaxserve.prompts import PromptRepository, backbone_repository, load_accuracy_profile
     from jaxserve.runtime import ModelRuntime, TaskHead
     from jaxserve.servables import vit_servable, weights_of
     from training.train_vit_digits import load_checkpoint
@@ -90,11 +116,28 @@ def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | Non
     path = vit_demo_dir()
     meta = json.loads((path / "meta.json").read_text())
     cfg, model = load_checkpoint(path)
+    prompts_dir = Path(prompts_dir) if prompts_dir is not None else vit_demo_prompts_dir()
+    if (prompts_dir / "repository.json").exists():
+        repo = PromptRepository.load(prompts_dir, config_key=cfg.key())
+    else:
+        repo = backbone_repository(cfg, model, "digits", tuple(str(i) for i in range(cfg.num_classes)))
     grid = grid or ShapeGrid(DEFAULT_IMAGE_BATCHES)
-    table = PolymorphTable(vit_servable(name, cfg, grid), cache)
+    missing = repo.missing_for(grid.gammas)
+    if missing:
+        raise ValueError(f"the prompt repository {prompts_dir} lacks {missing} for gammas {grid.gammas}; "
+                         "run `jaxserve train-prompts` or serve other gammas")
+    table = PolymorphTable(vit_servable(name, cfg, grid, repo.prompt_mode, repo.num_classes), cache)
     table.warmup(progress=progress)
-    digits = TaskHead("digits", tuple(str(i) for i in range(cfg.num_classes)), None, None, feature="logits",
-                      accuracy=meta.get("test_accuracy"))
+    def head_accuracy(task: str):  # held-out accuracy at gamma 0; the backbone's own for its own head
+        measured = repo.entry(task, 0).accuracy
+        return meta.get("test_accuracy") if measured is None and task == "digits" else measured
+
+    heads = {t: TaskHead(t, labels, None, None, feature="logits", accuracy=head_accuracy(t))
+             for t, labels in repo.labels.items()}
+    accuracy = None
+    if (prompts_dir / "accuracy.json").exists():
+        accuracy = load_accuracy_profile(prompts_dir / "accuracy.json", name)
     norm = meta.get("normalisation", {"mean": 0.0, "std": 1.0})
-    return ModelRuntime(name, table, weights_of(model), {"digits": digits}, None,
-                        (cfg.image_size, cfg.image_size, cfg.num_channels), float(norm["mean"]), float(norm["std"]))
+    return ModelRuntime(name, table, weights_of(model), heads, None,
+                        (cfg.image_size, cfg.image_size, cfg.num_channels), float(norm["mean"]), float(norm["std"]),
+                        prompts=repo, accuracy=accuracy)

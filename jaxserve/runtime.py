@@ -4,6 +4,12 @@ A runtime owns a warmed :class:`~jaxserve.polymorph.PolymorphTable`, the weights
 the task heads of one model. ``execute`` pads the batch into its cell (through the
 table's padding helpers), runs the executable and returns one result per item. It
 never compiles: a cell outside the warmed grid raises ``NotWarmError``.
+
+Image runtimes with a prompt repository (OTAS, jaxserve/prompts.py) run exactly the cell
+the policy chose, gamma included: :meth:`ModelRuntime.prepare_inputs` gathers each
+sample's prompts (gamma > 0) and task head from the repository, so a batch mixing tasks
+is one call of one executable; each item's probabilities are then read from the first
+``len(labels)`` logits of its row (heads are zero-padded to the widest task).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxserve.polymorph import PolymorphTable, pad_image_batch, pad_token_batch, unpad_rows
-from jaxserve.sched.base import Cell, ShapeGrid
+from jaxserve.sched.base import AccuracyProfile, Cell, ShapeGrid
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,7 @@ class TaskHead:
 
     def probabilities(self, features: np.ndarray) -> np.ndarray:
         logits = features if self.weight is None else features @ self.weight + self.bias
+        logits = logits[..., : len(self.labels)]  # per-sample heads are padded to the widest task
         logits = logits - logits.max(axis=-1, keepdims=True)
         e = np.exp(logits)
         return e / e.sum(axis=-1, keepdims=True)
@@ -72,6 +79,8 @@ class ModelRuntime:
     image_shape: tuple[int, int, int] | None = None  # (H, W, C) for image models
     pixel_mean: float = 0.0  # images arrive in [0, 1]; the model was trained on (x - mean) / std
     pixel_std: float = 1.0
+    prompts: Any = None  # jaxserve.prompts.PromptRepository: per-sample prompts and heads (images)
+    accuracy: AccuracyProfile | None = None  # profiled accuracy per (task, gamma), for OTAS policies
 
     @property
     def kind(self) -> str:
@@ -81,17 +90,32 @@ class ModelRuntime:
     def grid(self) -> ShapeGrid:
         return self.table.servable.grid
 
+    @property
+    def default_task(self) -> str:
+        """The task an image item without one is served as (the first registered)."""
+        return next(iter(self.heads), "")
+
+    def prepare_inputs(self, cell: Cell, payloads: Sequence[Any], tasks: Sequence[str]) -> tuple:
+        """The executable's inputs after the weights, for ``payloads`` padded into ``cell``."""
+        if self.kind == "text":
+            return pad_token_batch(payloads, cell, pad_id=getattr(self.tokenizer, "pad_id", 0))
+        images = (np.stack(payloads) - self.pixel_mean) / self.pixel_std
+        pixels = pad_image_batch(images, cell)
+        if self.prompts is None:
+            raise ValueError(f"{self.name}: image executables take per-sample heads; give the runtime a prompt "
+                             "repository (jaxserve.prompts.backbone_repository serves the backbone's own head)")
+        tasks = [t or self.default_task for t in tasks]
+        return (pixels, *self.prompts.gather(tasks, cell.gamma, cell.batch))
+
     def execute(self, cell: Cell, payloads: Sequence[Any], tasks: Sequence[str]) -> BatchOutput:
         t0 = time.perf_counter()
-        if self.kind == "text":
-            inputs = pad_token_batch(payloads, cell, pad_id=getattr(self.tokenizer, "pad_id", 0))
-        else:
-            images = (np.stack(payloads) - self.pixel_mean) / self.pixel_std
-            inputs = (pad_image_batch(images, cell),)
+        inputs = self.prepare_inputs(cell, payloads, tasks)
         outputs = unpad_rows(self.table.run(cell, self.weights, *inputs), len(payloads))
         items = []
         for i, task in enumerate(tasks):
             item = {k: v[i] for k, v in outputs.items()}
+            if not task and self.prompts is not None:
+                task = self.default_task
             if task:
                 head = self.heads[task]
                 probs = head.probabilities(item[head.feature][None])[0]

@@ -28,28 +28,52 @@ def bert_servable(name: str, cfg: BertConfig, grid: ShapeGrid) -> Servable:
     )
 
 
-def vit_servable(name: str, cfg, grid: ShapeGrid, prompt_mode: str = "replace") -> Servable:
-    """Image classifier cells (batch, gamma) -> {'logits', 'cls'}; gamma's token settings
-    (ToMe merge schedule or prompt count) are static per executable."""
-    from functools import partial
+def vit_servable(name: str, cfg, grid: ShapeGrid, prompt_mode: str = "replace",
+                 num_classes: int | None = None) -> Servable:
+    """Image classifier cells (batch, gamma) -> {'logits' [B, num_classes], 'cls' [B, D]}.
 
-    from jaxserve.models.vit import abstract_vit, gamma_settings, vit_forward
+    One executable per (gamma, batch size), as OTAS serves (§III-B): gamma's token settings
+    (``gamma_settings``: a ToMe merge schedule for gamma < 0, gamma deep prompts per layer for
+    gamma > 0) are static; everything per task is an argument gathered per sample, so a
+    mixed-task batch runs in one executable:
+
+    * gamma <= 0: ``fn(weights, pixels [B,H,W,C], head_w [B,D,C], head_b [B,C])``
+    * gamma > 0:  ``fn(weights, pixels, prompts [B,L,gamma,D], head_w, head_b)``
+
+    ``num_classes`` (C) is the widest task's class count (default: the backbone's own head);
+    narrower heads are zero-padded by the prompt repository and sliced by the runtime.
+    ``prompt_mode`` is the repository's ('replace' = VPT-deep, the default: cheaper at equal
+    accuracy, measured in training/train_prompts.py's docstring). The cache key names gamma,
+    the merge schedule, the prompt count, the mode and C, so no two variants share an entry.
+    """
+    from jaxserve.models.vit import abstract_vit, gamma_settings, make_vit_fn
 
     graphdef, abstract_state = abstract_vit(cfg)
-    if any(g > 0 for g in grid.gammas):
-        raise NotImplementedError("prompted (gamma > 0) ViT cells need a prompt repository")
+    classes = int(num_classes or cfg.num_classes)
 
     def fn_for(cell: Cell):
-        merge_r, _ = gamma_settings(cfg, cell.gamma)
-        return partial(vit_forward, graphdef, merge_r=merge_r)
+        merge_r, num_prompts = gamma_settings(cfg, cell.gamma)
+        forward = make_vit_fn(graphdef, merge_r=merge_r, num_prompts=num_prompts, prompt_mode=prompt_mode)
+        if num_prompts:
+            return lambda state, pixels, prompts, head_w, head_b: forward(state, pixels, prompts, head_w, head_b)
+        return lambda state, pixels, head_w, head_b: forward(state, pixels, None, head_w, head_b)
 
     def specs(cell: Cell):
-        return (jax.ShapeDtypeStruct((cell.batch, cfg.image_size, cfg.image_size, cfg.num_channels), np.float32),)
+        b, d = cell.batch, cfg.hidden_size
+        pixels = jax.ShapeDtypeStruct((b, cfg.image_size, cfg.image_size, cfg.num_channels), np.float32)
+        heads = (jax.ShapeDtypeStruct((b, d, classes), np.float32), jax.ShapeDtypeStruct((b, classes), np.float32))
+        _, num_prompts = gamma_settings(cfg, cell.gamma)
+        if num_prompts:
+            return (pixels, jax.ShapeDtypeStruct((b, cfg.num_layers, num_prompts, d), np.float32), *heads)
+        return (pixels, *heads)
+
+    def variant(cell: Cell) -> str:
+        merge_r, num_prompts = gamma_settings(cfg, cell.gamma)
+        return f"gamma={cell.gamma}:merge={merge_r}:prompts={num_prompts}:{prompt_mode}:classes={classes}"
 
     return Servable(
         name=name, kind="image", config_hash=cfg.key(), grid=grid, abstract_state=abstract_state,
-        fn_for=fn_for, input_specs=specs,
-        variant_of=lambda cell: f"gamma={cell.gamma}:merge={gamma_settings(cfg, cell.gamma)[0]}",
+        fn_for=fn_for, input_specs=specs, variant_of=variant,
     )
 
 

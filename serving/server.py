@@ -26,7 +26,7 @@ from serving.app import ServerState, create_app
 
 log = logging.getLogger("jaxserve.server")
 
-POLICIES = ("default",)
+POLICIES = ("default", "arlo", "st", "dt", "infaas")
 
 
 @dataclass
@@ -36,13 +36,19 @@ class ServeSettings:
     policy: str = "default"
     instances: int = 1
     max_queue: int = 256
-    max_wait_ms: float = 5.0
+    max_wait_ms: float = 0.0  # dispatch when an instance is idle; batches form while all are busy
     max_body_bytes: int = 8 * 1024 * 1024
     cost_model: str | None = None
     progress: bool = True
     text_grid: object = None  # ShapeGrid override (tests use a small one)
     image_grid: object = None
     extra: dict = field(default_factory=dict)
+    # Arlo and its baselines (--policy arlo|st|dt|infaas; jaxserve/sched/arlo.py, baselines.py)
+    slo_ms: float | None = None  # the stream's SLO; None: the paper's SLO scaled by the profile
+    arlo_period_s: float = 120.0  # Runtime Scheduler period (paper: 120 s)
+    arlo_max_batch: int = 1  # requests per batch (paper: 1)
+    dt_penalty: float | None = None  # DT's dynamic-shape slowdown; None: baselines.DEFAULT_DT_PENALTY
+    arlo_autoscale_from: int | None = None  # arlo: start this many of `instances` slots, target-tracking scaling
 
 
 def load_runtimes(settings: ServeSettings, cache: CompileCache | None) -> dict[str, ModelRuntime]:
@@ -65,7 +71,8 @@ def example_inputs(rt: ModelRuntime, cell: Cell) -> tuple:
         ids = np.full((cell.batch, cell.seq), 1000, np.int32)
         return ids, np.ones_like(ids)
     h, w, c = rt.image_shape
-    return (np.random.default_rng(0).random((cell.batch, h, w, c), dtype=np.float32),)
+    images = np.random.default_rng(0).random((cell.batch, h, w, c), dtype=np.float32)
+    return rt.prepare_inputs(cell, list(images), [""] * cell.batch)  # + per-sample prompts/heads
 
 
 def price_cells(runtimes: dict[str, ModelRuntime], path: Path | None, progress: bool) -> CostModel:
@@ -93,7 +100,81 @@ def make_policy(settings: ServeSettings, runtimes: dict[str, ModelRuntime], cost
         from jaxserve.sched.batching import DeadlineBatching
 
         return DeadlineBatching(grids, cost, max_queue=settings.max_queue, max_wait=settings.max_wait_ms / 1e3)
-    raise ValueError(f"unknown policy {settings.policy!r}; known: {', '.join(POLICIES)}")
+    if settings.policy in ("arlo", "st", "dt", "infaas"):
+        return _arlo_family_policy(settings, runtimes, cost)
+    if settings.policy in ("otas", "pets", "tome", "vpt"):  # OTAS and its baselines, one image model
+        from jaxserve.sched.otas import make_otas_policy
+
+        return make_otas_policy(settings.policy, runtimes, cost, settings.extra.get("otas", {}))
+    raise ValueError(f"unknown policy {settings.policy!r}; known: {', '.join(POLICIES)}, otas, pets, tome, vpt")
+
+
+def _arlo_family_policy(settings: ServeSettings, runtimes: dict, cost: CostModel):
+    """Arlo, ST, DT or INFaaS-like for the one text model served (jaxserve/sched/baselines.py).
+
+    These policies own every instance for one request stream (Arlo §3.1), so the
+    server must serve exactly one text model. DT's modelled dynamic-shape cost is
+    paid live by wrapping that model's runtime in :class:`DynamicShapeEmulation`
+    (the ``runtimes`` dict is the one the engine receives).
+    """
+    from jaxserve.sched import baselines
+    from jaxserve.sched.arlo import ArloPolicy
+
+    if len(runtimes) != 1 or not next(iter(runtimes.values())).grid.seq_buckets:
+        raise ValueError(f"--policy {settings.policy} serves exactly one text model (--model minilm-l6); "
+                         f"got {sorted(runtimes)}")
+    (name, rt), = runtimes.items()
+    profile = cost.latency[name]
+    slo = settings.slo_ms / 1e3 if settings.slo_ms else baselines.paper_scaled_slo(profile, rt.grid.max_length)
+    common = dict(max_batch=settings.arlo_max_batch)
+    if settings.policy == "arlo":
+        if settings.arlo_autoscale_from is None:
+            return ArloPolicy(name, rt.grid, cost, slo, settings.instances, period=settings.arlo_period_s, **common)
+        # §4 target tracking: the engine runs `instances` worker slots, the policy activates them as it scales
+        from jaxserve.sched.arlo import TargetTrackingAutoscaler
+
+        scaler = TargetTrackingAutoscaler(slo, min_instances=1, max_instances=settings.instances)
+        return ArloPolicy(name, rt.grid, cost, slo, settings.arlo_autoscale_from, period=settings.arlo_period_s,
+                          autoscaler=scaler, scale_pool=settings.instances, **common)
+    if settings.policy == "st":
+        return baselines.StaticPaddingPolicy(name, rt.grid, cost, slo, settings.instances, **common)
+    if settings.policy == "infaas":
+        return baselines.InfaasLikePolicy(name, rt.grid, cost, slo, settings.instances, **common)
+    penalty = settings.dt_penalty or baselines.DEFAULT_DT_PENALTY
+    policy = baselines.DynamicShapePolicy(name, rt.grid, cost, slo, settings.instances, penalty=penalty, **common)
+    if hasattr(rt, "execute"):
+        runtimes[name] = DynamicShapeEmulation(rt, policy.service_seconds)
+    return policy
+
+
+class DynamicShapeEmulation:
+    """A text runtime that costs what DT's dynamic-shape runtime would (live DT baseline).
+
+    The batch is computed in the static cell the DT policy chose (the smallest bucket
+    that holds it: real answers, no compile at request time); the worker then holds
+    the batch until ``seconds_for(count, longest_length)`` has passed since it
+    started, so clients and the queue behind see the modelled DT latency. If the
+    static executable took longer than the model, the measured time stands.
+    """
+
+    def __init__(self, runtime, seconds_for):
+        self._runtime = runtime
+        self._seconds_for = seconds_for
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+    def execute(self, cell, payloads, tasks):
+        import time
+
+        t0 = time.perf_counter()
+        out = self._runtime.execute(cell, payloads, tasks)
+        target = self._seconds_for(len(payloads), max(len(p) for p in payloads))
+        rest = target - (time.perf_counter() - t0)
+        if rest > 0:
+            time.sleep(rest)
+        out.compute_seconds = max(out.compute_seconds, target)
+        return out
 
 
 def build_engine(settings: ServeSettings) -> Engine:

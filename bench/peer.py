@@ -1,0 +1,596 @@
+"""How do our AOT BERT executables compare with PyTorch eager and torch.compile on this CPU?
+
+One question, one run: the same weights (MiniLM-L6 real weights; BERT-base random
+weights exported to an HF directory so torch loads the identical tensors), the same
+token ids and the same shapes (batch 8 and 32 x length 32..256), measured interleaved
+so that every ratio compares timings taken in the same minutes of a shared machine.
+
+  ours          PolymorphTable executables of jaxserve's encode fn (hidden states, mean
+                pooling, L2 norm), compiled ahead of time per cell
+  naive         the same model with the layer as it was before this benchmark's changes
+                ([B,H,q,k] scores, softmax normalised before PV, erfc GELU): measured in
+                the same run so the effect of the change is a same-minute ratio
+  eager         HF transformers BertModel, float32, inference_mode, the faster of
+                attn_implementation="sdpa" and "eager" (both are shown)
+  compile       torch.compile(dynamic=False) of the same encode function, default mode
+  max-autotune  torch.compile(mode="max-autotune-no-cudagraphs"), only with --max-autotune
+
+The torch side runs in the reference venv (.venv-ref, built by bench/setup_ref_env.sh)
+as a long-lived worker (bench/_torch_worker.py) that answers JSON lines; jaxserve never
+imports torch. Both sides get the same cores: JAX's thread pool spans the process's
+CPU affinity and the worker calls torch.set_num_threads with that count (``--cores N``
+pins both to the first N CPUs). The worker runs with OMP_WAIT_POLICY=PASSIVE: on a
+shared machine libgomp's default spin-waiting made torch 3x slower at 2 threads (a
+descheduled spinner stalls every parallel region), which would flatter us.
+
+Usage (from the repo root):
+  .venv/bin/python bench/peer.py                      # full grid, markdown to stdout
+  .venv/bin/python bench/peer.py --write              # ... and bench/results/peer.md
+  .venv/bin/python bench/peer.py --models minilm --batches 8 --lengths 128 --rounds 3
+  .venv/bin/python bench/peer.py --profile minilm:8x256   # per-thunk profile, ours vs naive
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REF_PYTHON = ROOT / ".venv-ref" / "bin" / "python"
+WORKER = ROOT / "bench" / "_torch_worker.py"
+RESULTS = ROOT / "bench" / "results" / "peer.md"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="minilm,bert-base")
+    p.add_argument("--batches", default="8,32")
+    p.add_argument("--lengths", default="32,64,128,256")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per cell (at least)")
+    p.add_argument("--cell-seconds", type=float, default=30.0,
+                   help="keep adding rounds (up to 3x --rounds) while a cell has run less than this")
+    p.add_argument("--min-seconds", type=float, default=0.4, help="per measurement: repeat calls up to this long")
+    p.add_argument("--cores", type=int, default=0, help="pin both sides to the first N CPUs (0: all)")
+    p.add_argument("--no-naive", action="store_true", help="skip the pre-change layer column")
+    p.add_argument("--no-eager-eager", action="store_true", help="skip attn_implementation='eager'")
+    p.add_argument("--max-autotune", default="", help="cells for max-autotune-no-cudagraphs, e.g. 'minilm:8x128' or 'all'")
+    p.add_argument("--omp-wait-policy", default="PASSIVE", help="torch worker's OMP_WAIT_POLICY ('' = libgomp default)")
+    p.add_argument("--profile", default="", help="MODEL:BxS -- per-thunk profile of ours vs naive, then exit")
+    p.add_argument("--write", action="store_true", help=f"also write {RESULTS.relative_to(ROOT)}")
+    return p.parse_args(argv)
+
+
+ARGS = parse_args()
+if ARGS.cores:
+    # before jax starts: XLA sizes its thread pools from the affinity mask
+    os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[: ARGS.cores]))
+CORES = len(os.sched_getaffinity(0))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxserve.models.bert import BERT_CONFIGS, BertConfig, export_hf_bert, init_bert, load_hf_bert, pool  # noqa: E402
+from jaxserve.polymorph import PolymorphTable  # noqa: E402
+from jaxserve.registry import minilm_dir  # noqa: E402
+from jaxserve.sched.base import Cell, ShapeGrid  # noqa: E402
+from jaxserve.servables import bert_servable, weights_of  # noqa: E402
+
+
+# ----------------------------------------------------------------------- model side
+
+def flops(cfg: BertConfig, b: int, s: int) -> float:
+    """Analytic forward FLOPs: per layer 2BS(4d^2 + 2 d d_ff) for the matmuls + 4BS^2 d for attention."""
+    d, ff = cfg.hidden_size, cfg.intermediate_size
+    return cfg.num_layers * (2 * b * s * (4 * d * d + 2 * d * ff) + 4 * b * s * s * d)
+
+
+def naive_layer(layer, x, key_bias):
+    """The BertLayer forward as it was before this benchmark (kept here as the baseline)."""
+    b, s, d = x.shape
+    h = layer.num_heads
+    qkv = layer.qkv(x).reshape(b, s, 3, h, d // h)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / np.sqrt(d // h))
+    probs = jax.nn.softmax(scores + key_bias[:, None, None, :], axis=-1)
+    ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d)
+    x = layer.attn_norm(x + layer.attn_out(ctx))
+    y = layer.mlp_out(jax.nn.gelu(layer.mlp_in(x), approximate=False))
+    return layer.mlp_norm(x + y)
+
+
+def make_naive_encode(graphdef):
+    def encode(state, input_ids, attention_mask):
+        m = nnx.merge(graphdef, state)
+        s = input_ids.shape[1]
+        x = m.word_embeddings(input_ids) + m.position_embeddings(jnp.arange(s)[None, :])
+        x = m.embed_norm(x + m.token_type_embeddings(jnp.zeros_like(input_ids)))
+        key_bias = jnp.where(attention_mask > 0, 0.0, -1e9).astype(x.dtype)
+        for layer in m.layers:
+            x = naive_layer(layer, x, key_bias)
+        return pool(x, attention_mask)
+
+    return encode
+
+
+def make_inputs(cfg: BertConfig, b: int, s: int, seed: int = 0):
+    """Random real tokens; the last row is half padding so the key mask is exercised."""
+    rs = np.random.RandomState(seed + 1000 * b + s)
+    ids = rs.randint(1000, cfg.vocab_size, size=(b, s)).astype(np.int32)
+    ids[:, 0] = 101
+    mask = np.ones((b, s), np.int32)
+    mask[-1, s // 2 :] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def load_model(name: str, tmp: Path):
+    """(cfg, model, hf_dir): MiniLM's real checkpoint, or BERT-base random weights exported."""
+    if name == "minilm":
+        d = minilm_dir()
+        cfg, model = load_hf_bert(d)
+        return cfg, model, d
+    cfg = BERT_CONFIGS[name]
+    model = init_bert(cfg, seed=0)
+    d = tmp / name
+    export_hf_bert(model, d)
+    return cfg, model, d
+
+
+# ----------------------------------------------------------------------- torch worker
+
+class TorchWorker:
+    def __init__(self, cores: int, omp_wait_policy: str, inductor_dir: str):
+        env = dict(os.environ, PEER_TORCH_THREADS=str(cores), OMP_NUM_THREADS=str(cores),
+                   TORCHINDUCTOR_CACHE_DIR=inductor_dir)  # a fresh dir: compile times are cold
+        env.pop("OMP_WAIT_POLICY", None)
+        if omp_wait_policy:
+            env["OMP_WAIT_POLICY"] = omp_wait_policy
+        env.pop("XLA_FLAGS", None)
+        self.proc = subprocess.Popen([str(REF_PYTHON), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL if not os.environ.get("PEER_DEBUG") else None,
+                                     text=True, env=env, cwd=str(ROOT))
+
+    def call(self, **req) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("torch worker died (rerun with PEER_DEBUG=1 to see its stderr)")
+        return json.loads(line)
+
+    def close(self):
+        try:
+            self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=30)
+        except Exception:
+            self.proc.kill()
+
+
+# ----------------------------------------------------------------------- measuring
+
+def timed_calls(fn, min_seconds: float) -> tuple[list[float], list[float]]:
+    """Call fn (blocking) at least once and until min_seconds have passed.
+
+    Returns per-call wall seconds and per-call process CPU seconds (all threads). CPU time
+    is what a call cost, whatever share of the cores the other tenants left us; wall time
+    is what a client waits."""
+    wall, cpu = [], []
+    start = time.perf_counter()
+    while True:
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+        if time.perf_counter() - start >= min_seconds:
+            return wall, cpu
+
+
+def matmul_gflops(fn, n: int = 2048, reps: int = 5) -> tuple[list[float], list[float]]:
+    """GFLOP/s of an n^3 float32 matmul: per wall second and per CPU second."""
+    fn()
+    f = 2 * n**3 / 1e9
+    wall, cpu = [], []
+    for _ in range(reps):
+        w, c = timed_calls(fn, 0.0)
+        wall.append(f / w[0])
+        cpu.append(f / max(c[0], 1e-9))
+    return wall, cpu
+
+
+def jax_matmul(n: int = 2048):
+    a = jnp.asarray(np.random.rand(n, n).astype(np.float32))
+    f = jax.jit(jnp.dot).lower(a, a).compile()
+    return lambda: f(a, a).block_until_ready()
+
+
+def numpy_matmul(n: int = 2048):
+    a = np.random.rand(n, n).astype(np.float32)
+    return lambda: a @ a
+
+
+@dataclass
+class CellResult:
+    model: str
+    batch: int
+    seq: int
+    flops: float
+    times: dict[str, list[float]] = field(default_factory=dict)  # impl -> per-call wall seconds
+    cpu: dict[str, list[float]] = field(default_factory=dict)  # impl -> per-call CPU seconds
+    round_medians: dict[str, list[float]] = field(default_factory=dict)  # impl -> per-round wall medians
+    round_cpu: dict[str, list[float]] = field(default_factory=dict)  # impl -> per-round CPU medians
+    first: dict[str, float] = field(default_factory=dict)  # impl -> seconds to first result
+    compile_only: float = 0.0  # jax: lower+compile seconds of the cell
+    parity: dict[str, float] = field(default_factory=dict)  # impl -> max |embedding - ours|
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def median_ms(self, impl: str) -> float:
+        return float(np.median(self.times[impl])) * 1e3 if self.times.get(impl) else math.nan
+
+    def cpu_ms(self, impl: str) -> float:
+        return float(np.median(self.cpu[impl])) * 1e3 if self.cpu.get(impl) else math.nan
+
+    def speedup(self, impl: str, metric: str = "wall") -> float:
+        """Median over rounds of (impl / ours), each round's pair measured back to back."""
+        rounds = self.round_medians if metric == "wall" else self.round_cpu
+        a, b = rounds.get(impl), rounds.get("ours")
+        if not a or not b:
+            return math.nan
+        return float(np.median(np.array(a) / np.array(b)))
+
+
+def run_grid(args, worker: TorchWorker, models: list[str], batches, lengths, tmp: Path, log) -> tuple[list, dict]:
+    results: list[CellResult] = []
+    info: dict = {}
+    autotune_cells = set(args.max_autotune.split(",")) if args.max_autotune else set()
+    for name in models:
+        cfg, model, hf_dir = load_model(name, tmp)
+        r = worker.call(cmd="load", model=name, dir=str(hf_dir))
+        if "error" in r:
+            raise RuntimeError(f"torch worker could not load {name}: {r['error']}")
+        info["torch"] = r
+        if "init" not in info:
+            # one-time process costs (backend start, importing inductor, first C++ build)
+            # land here, not on the first cell of the table
+            ids, mask = make_inputs(cfg, 1, 8)
+            t0 = time.perf_counter()
+            gd, st = nnx.split(model)
+            jax.block_until_ready(jax.jit(make_naive_encode(gd)).lower(st, ids, mask).compile()(st, ids, mask))
+            j = time.perf_counter() - t0
+            r = worker.call(cmd="setup", impl="compile-default", model=name, ids=ids.tolist(), mask=mask.tolist())
+            worker.call(cmd="drop", impl="compile-default", model=name, batch=1, seq=8)
+            info["init"] = (j, r.get("first_seconds", math.nan))
+        grid = ShapeGrid(batch_sizes=tuple(batches), seq_buckets=tuple(lengths))
+        table = PolymorphTable(bert_servable(name, cfg, grid))
+        weights = weights_of(model)
+        graphdef, _ = nnx.split(model)
+        naive = jax.jit(make_naive_encode(graphdef))
+        for b in batches:
+            for s in lengths:
+                cell = Cell(b, s)
+                res = CellResult(name, b, s, flops(cfg, b, s))
+                ids, mask = make_inputs(cfg, b, s)
+                # ---- first results (per-shape compile) ----
+                t0 = time.perf_counter()
+                row = table.warm_cell(cell)
+                out = table.run(cell, weights, ids, mask)
+                res.first["ours"] = time.perf_counter() - t0
+                res.compile_only = row.compile_seconds
+                ours_emb = out["embedding"]
+                calls = {"ours": lambda cell=cell, ids=ids, mask=mask: table.run(cell, weights, ids, mask)}
+                if not args.no_naive:
+                    t0 = time.perf_counter()
+                    naive_exec = naive.lower(weights, ids, mask).compile()
+                    emb = np.asarray(naive_exec(weights, ids, mask)["embedding"])
+                    res.first["naive"] = time.perf_counter() - t0
+                    res.parity["naive"] = float(np.abs(emb - ours_emb).max())
+                    calls["naive"] = lambda ex=naive_exec, ids=ids, mask=mask: jax.block_until_ready(ex(weights, ids, mask))
+                impls = ["eager-sdpa"] + ([] if args.no_eager_eager else ["eager-eager"]) + ["compile-default"]
+                if "all" in autotune_cells or f"{name}:{b}x{s}" in autotune_cells:
+                    impls.append("compile-max-autotune")
+                for impl in impls:
+                    r = worker.call(cmd="setup", impl=impl, model=name, ids=ids.tolist(), mask=mask.tolist())
+                    if "error" in r:
+                        res.errors[impl] = r["error"]
+                        log(f"  {name} b{b} s{s} {impl}: ERROR {r['error'][:200]}")
+                        continue
+                    res.first[impl] = r["first_seconds"]
+                    res.parity[impl] = float(np.abs(np.asarray(r["embedding"], np.float32) - ours_emb).max())
+                    calls[impl] = impl
+                # ---- interleaved timing: every round measures every impl back to back ----
+                order = list(calls)
+                cell_start = time.perf_counter()
+                rnd = 0
+                while rnd < args.rounds or (rnd < 3 * args.rounds and time.perf_counter() - cell_start < args.cell_seconds):
+                    rot = order[rnd % len(order):] + order[: rnd % len(order)]
+                    for impl in rot:
+                        c = calls[impl]
+                        if isinstance(c, str):
+                            # torch: size reps from the last median so one measurement ~ min_seconds
+                            last = res.round_medians.get(impl, [None])[-1]
+                            reps = 1 if last is None else max(1, min(20, int(args.min_seconds / max(last, 1e-4))))
+                            r = worker.call(cmd="time", impl=impl, model=name, batch=b, seq=s, reps=reps)
+                            secs, cpu = r["seconds"], r["cpu_seconds"]
+                        else:
+                            secs, cpu = timed_calls(c, args.min_seconds)
+                        res.times.setdefault(impl, []).extend(secs)
+                        res.cpu.setdefault(impl, []).extend(cpu)
+                        res.round_medians.setdefault(impl, []).append(float(np.median(secs)))
+                        res.round_cpu.setdefault(impl, []).append(float(np.median(cpu)))
+                    rnd += 1
+                for impl in impls:
+                    worker.call(cmd="drop", impl=impl, model=name, batch=b, seq=s)
+                results.append(res)
+                log(f"  {name} b{b} s{s} ({rnd} rounds): " + ", ".join(
+                    f"{k} {res.median_ms(k):.1f}ms/{res.cpu_ms(k):.0f}cpu-ms" for k in res.times))
+        del table, model, weights
+    return results, info
+
+
+# ----------------------------------------------------------------------- reporting
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def fmt(x, spec=".1f", dash="–"):
+    return dash if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def report(args, results: list[CellResult], peaks: dict, info: dict, started: str, seconds: float) -> str:
+    peak_w = max(float(np.median(w)) for w, _ in peaks.values() if w)
+    peak_c = max(float(np.median(c)) for _, c in peaks.values() if c)
+    torch_info = info.get("torch", {})
+    L = []
+    L.append("# Peer benchmark: jaxserve AOT executables vs PyTorch eager and torch.compile\n")
+    L.append(f"- command: `{' '.join(shlex.quote(a) for a in [sys.executable.replace(str(ROOT) + '/', '')] + sys.argv)}`")
+    L.append(f"- date: {started} (run took {seconds / 60:.1f} min)")
+    L.append(f"- machine: {cpu_model()}, {os.cpu_count()} CPUs visible, both sides on {CORES} "
+             f"(JAX: XLA thread pool over the affinity mask; torch.set_num_threads({torch_info.get('threads')}), "
+             f"OMP_WAIT_POLICY={torch_info.get('omp_wait_policy') or 'default'}). Shared with other jobs: "
+             f"load average {info.get('load_start')} at start, {info.get('load_end')} at end")
+    L.append(f"- jax {jax.__version__}, XLA_FLAGS='{os.environ.get('XLA_FLAGS', '')}'; torch {torch_info.get('torch')}, "
+             f"transformers {info.get('transformers', '?')}; float32 everywhere")
+    L.append("- matmul 2048x2048 float32, GFLOP/s per wall second / per CPU second (median of checks before and "
+             "after the grid): " + ", ".join(f"{k} {np.median(w):.0f} / {np.median(c):.0f}" for k, (w, c) in peaks.items() if w)
+             + f". Peak = the best: {peak_w:.0f} GFLOP/s, {peak_c:.0f} GFLOP per CPU-second.")
+    L.append(f"- timing: per cell, >= {args.rounds} interleaved rounds (more while the cell has run < {args.cell_seconds:.0f}s); "
+             f"every round measures every implementation back to back, rotating the order, repeating calls for "
+             f">= {args.min_seconds}s. ms = median wall time per call. Speedups (>1: ours is faster) = median over rounds "
+             "of the same-round ratio, on wall time and, in brackets, on process CPU time per call (all threads): "
+             "CPU time is what a call cost whatever share of the cores the other tenants left, so it is the steadier "
+             "figure on this shared machine.")
+    L.append("- same weights and token ids on both sides (MiniLM: the real all-MiniLM-L6-v2 checkpoint; "
+             "BERT-base: random init exported with export_hf_bert); the last row of every batch is half padding. "
+             "'naive' is our previous BertLayer, compiled the same way, for the before/after of this change.\n")
+    has_naive = any("naive" in r.times for r in results)
+    has_ma = any("compile-max-autotune" in r.times for r in results)
+    head = ["model", "B", "S", "ours ms", "eager ms (impl)", "compile ms"] + (["max-autotune ms"] if has_ma else [])
+    head += ["ours/eager", "ours/compile"] + (["ours/naive"] if has_naive else [])
+    head += ["GFLOP/s ours / eager / compile (% of peak)", "GFLOP per CPU-s ours / compile (% of peak)", "max |Δemb| vs eager"]
+    L.append("| " + " | ".join(head) + " |")
+    L.append("|" + "---|" * len(head))
+    sp = lambda r, k: f"{fmt(r.speedup(k), '.2f')}× ({fmt(r.speedup(k, 'cpu'), '.2f')}×)"  # noqa: E731
+    for r in results:
+        best_eager = _best_eager(r)
+        gw = lambda impl: r.flops / (r.median_ms(impl) / 1e3) / 1e9 if r.times.get(impl) else math.nan  # noqa: E731
+        gc = lambda impl: r.flops / (r.cpu_ms(impl) / 1e3) / 1e9 if r.cpu.get(impl) else math.nan  # noqa: E731
+        row = [r.model, str(r.batch), str(r.seq), fmt(r.median_ms("ours")),
+               f"{fmt(r.median_ms(best_eager))} ({best_eager.replace('eager-', '')})" if best_eager else "–",
+               fmt(r.median_ms("compile-default"))]
+        if has_ma:
+            row.append(fmt(r.median_ms("compile-max-autotune")) if r.times.get("compile-max-autotune")
+                       else ("err" if "compile-max-autotune" in r.errors else "–"))
+        row += [sp(r, best_eager) if best_eager else "–", sp(r, "compile-default")]
+        if has_naive:
+            row.append(sp(r, "naive"))
+        row.append(" / ".join(fmt(gw(k), ".0f") for k in ("ours", best_eager or "", "compile-default"))
+                   + f" ({' / '.join(fmt(100 * gw(k) / peak_w, '.0f') for k in ('ours', best_eager or '', 'compile-default'))}%)")
+        row.append(" / ".join(fmt(gc(k), ".0f") for k in ("ours", "compile-default"))
+                   + f" ({' / '.join(fmt(100 * gc(k) / peak_c, '.0f') for k in ('ours', 'compile-default'))}%)")
+        row.append(fmt(r.parity.get(best_eager, math.nan), ".1e") if best_eager else "–")
+        L.append("| " + " | ".join(row) + " |")
+    L.append("")
+    for metric, label in (("wall", "wall time"), ("cpu", "CPU time")):
+        e = [r.speedup(_best_eager(r), metric) for r in results if _best_eager(r)]
+        c = [r.speedup("compile-default", metric) for r in results]
+        n = [r.speedup("naive", metric) for r in results] if has_naive else []
+        L.append(f"- **Goal check on {label}** (ours >= 1.3x eager and >= 1.0x torch.compile, B in {{8, 32}}, S 32-256): "
+                 f">= 1.3x eager in {sum(x >= 1.3 for x in e)}/{len(e)} cells, >= 1.0x compile in "
+                 f"{sum(x >= 1.0 for x in c)}/{len(c)} cells; geometric means ours/eager {_gmean(e):.2f}x, "
+                 f"ours/compile {_gmean(c):.2f}x" + (f", ours/naive {_gmean(n):.2f}x." if n else "."))
+    if any(r.times.get("eager-eager") for r in results):
+        L.append("- 'eager' is the faster of attn_implementation sdpa / eager per cell (ms): "
+                 + "; ".join(f"{r.model} {r.batch}x{r.seq} {r.median_ms('eager-sdpa'):.0f}/{r.median_ms('eager-eager'):.0f}"
+                             for r in results if r.times.get("eager-eager")) + ".")
+    L.append("\n## Grid warmup: time to first result per shape (seconds)\n")
+    L.append("JAX: `jit(...).lower(...).compile()` of the cell (the polymorph table's warmup), then the first call. "
+             "torch.compile(dynamic=False): a fresh wrapper per shape, the first call (dynamo + inductor, "
+             "inductor cache cold at the start of the run). Eager: the first call.\n")
+    head = ["model", "B", "S", "JAX compile", "JAX first result", "torch.compile first result", "eager first result"]
+    if has_ma:
+        head.append("max-autotune first result")
+    L.append("| " + " | ".join(head) + " |")
+    L.append("|" + "---|" * len(head))
+    tot = {"jc": 0.0, "jf": 0.0, "tc": 0.0}
+    for r in results:
+        row = [r.model, str(r.batch), str(r.seq), fmt(r.compile_only, ".2f"), fmt(r.first.get("ours"), ".2f"),
+               fmt(r.first.get("compile-default"), ".1f"), fmt(r.first.get("eager-sdpa"), ".2f")]
+        if has_ma:
+            row.append(fmt(r.first.get("compile-max-autotune"), ".1f"))
+        tot["jc"] += r.compile_only
+        tot["jf"] += r.first.get("ours", 0.0)
+        tot["tc"] += r.first.get("compile-default", 0.0)
+        L.append("| " + " | ".join(row) + " |")
+    if "init" in info:
+        L.append(f"\nBefore the grid, each side compiled a throwaway 1x8 cell so one-time process costs "
+                 f"are not charged to the first shape: JAX {info['init'][0]:.1f}s, torch.compile {info['init'][1]:.1f}s.")
+    L.append(f"\nWhole grid: JAX {tot['jc']:.1f}s of compiles ({tot['jf']:.1f}s to all first results, which include "
+             f"running each shape once) vs torch.compile {tot['tc']:.1f}s to all first results "
+             f"({tot['tc'] / max(tot['jf'], 1e-9):.1f}x).")
+    errs = [(r, k, v) for r in results for k, v in r.errors.items()]
+    if errs:
+        L.append("\nErrors: " + "; ".join(f"{r.model} {r.batch}x{r.seq} {k}: {v[:160]}" for r, k, v in errs))
+    return "\n".join(L) + "\n"
+
+
+def _best_eager(r: CellResult) -> str | None:
+    """The faster torch eager variant of the cell (by median wall time)."""
+    eag = {k: r.median_ms(k) for k in ("eager-sdpa", "eager-eager") if r.times.get(k)}
+    return min(eag, key=eag.get) if eag else None
+
+
+def _gmean(xs) -> float:
+    xs = [x for x in xs if x == x and x > 0]
+    return float(np.exp(np.mean(np.log(xs)))) if xs else math.nan
+
+
+# ----------------------------------------------------------------------- profiling
+
+def profile(spec: str) -> str:
+    """Per-thunk wall time of one cell's executable, grouped by what each thunk computes.
+
+    Uses jax.profiler: on XLA:CPU every thunk (a fused kernel, a library dot, a YNNPACK
+    fusion) is one trace event; the optimized HLO (compiled.as_text()) says what each
+    named thunk contains, so events are grouped into dense matmuls, attention, GELU, ...
+    """
+    import collections
+    import glob
+    import re
+
+    name, shape = spec.split(":")
+    b, s = map(int, shape.split("x"))
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg, model, _ = load_model(name, Path(tmp))
+    graphdef, state = nnx.split(model)
+    ids, mask = make_inputs(cfg, b, s)
+    from jaxserve.models.bert import make_encode_fn
+
+    out = [f"# per-thunk profile: {name} B={b} S={s}, {CORES} cores, jax {jax.__version__}\n"]
+    for label, fn in (("ours", make_encode_fn(graphdef)), ("naive", make_naive_encode(graphdef))):
+        c = jax.jit(fn).lower(state, ids, mask).compile()
+        hlo = c.as_text()
+        comps = {m.group(1): m.group(2) for m in re.finditer(r"^%(\S+) .*?\{\n(.*?)\n\}", hlo, re.S | re.M)}
+        kind = {}
+        for line in hlo.splitlines():
+            m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+) ([\w-]+)\(", line)
+            if not m:
+                continue
+            nm, shp, op = m.groups()
+            called = re.search(r"calls=%([\w.\-]+)", line)
+            ops = set(re.findall(r"= \S+ ([a-z][\w-]*)\(", comps.get(called.group(1), ""))) if called else set()
+            shp = shp.split("{")[0]
+            if "dot" in ops and "exponential" in ops:
+                kind[nm] = "attention fusion (dot+softmax+dot) " + shp
+            elif op == "dot" or "dot" in ops:
+                kind[nm] = "dot " + shp
+            elif "erf" in ops or ("exponential" in ops and "divide" in ops and "abs" in ops):
+                kind[nm] = "GELU " + shp
+            elif op == "fusion":
+                core = sorted(ops - {"parameter", "bitcast", "broadcast", "constant"})
+                kind[nm] = ("reduce " if {"reduce", "reduce-window"} & ops else "loop ") + "+".join(core)[:50] + " " + shp
+            else:
+                kind[nm] = op + " " + shp
+        for _ in range(2):
+            jax.block_until_ready(c(state, ids, mask))
+        wall = timed_calls(lambda: jax.block_until_ready(c(state, ids, mask)), 1.0)
+        n = 3
+        with tempfile.TemporaryDirectory() as tdir:
+            with jax.profiler.trace(tdir):
+                for _ in range(n):
+                    jax.block_until_ready(c(state, ids, mask))
+            pb = glob.glob(tdir + "/**/*.xplane.pb", recursive=True)[0]
+            pd = jax.profiler.ProfileData.from_file(pb)
+        agg, cnt = collections.defaultdict(float), collections.Counter()
+        for plane in pd.planes:
+            for line in plane.lines:
+                for ev in line.events:
+                    if ev.name in kind:
+                        agg[kind[ev.name]] += ev.duration_ns / n / 1e6
+                        cnt[kind[ev.name]] += 1
+        total = sum(agg.values())
+        out.append(f"## {label}: median wall {np.median(wall) * 1e3:.1f} ms; thunk time {total:.1f} ms "
+                   "(library dots run on the caller thread and are timed whole; on >1 core, "
+                   "Eigen dots are only timed to their dispatch)\n")
+        out.append("| ms/run | share | thunks/run | what |\n|---|---|---|---|")
+        for k, v in sorted(agg.items(), key=lambda kv: -kv[1])[:18]:
+            out.append(f"| {v:.1f} | {100 * v / total:.1f}% | {cnt[k] / n:.0f} | {k} |")
+        out.append("")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------- main
+
+def main():
+    args = ARGS
+    log = lambda *a: print("[peer]", *a, file=sys.stderr, flush=True)  # noqa: E731
+    if args.profile:
+        print(profile(args.profile))
+        return
+    if not REF_PYTHON.exists():
+        sys.exit(f"{REF_PYTHON} is missing: run `bash bench/setup_ref_env.sh` first")
+    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    t_start = time.perf_counter()
+    models = args.models.split(",")
+    batches = [int(x) for x in args.batches.split(",")]
+    lengths = [int(x) for x in args.lengths.split(",")]
+    with tempfile.TemporaryDirectory(prefix="peer-") as tmp:
+        worker = TorchWorker(CORES, args.omp_wait_policy, str(Path(tmp) / "inductor"))
+        try:
+            info = {"load_start": " ".join(f"{x:.1f}" for x in os.getloadavg())}
+            peaks = {k: ([], []) for k in ("jax jnp.dot", "torch", "numpy")}  # (wall, per-cpu-second)
+            jm, nm = jax_matmul(), numpy_matmul()
+
+            def measure_peaks():
+                for key, fn in (("jax jnp.dot", jm), ("numpy", nm)):
+                    w, c = matmul_gflops(fn)
+                    peaks[key][0].extend(w)
+                    peaks[key][1].extend(c)
+                r = worker.call(cmd="matmul", n=2048, reps=5)
+                peaks["torch"][0].extend(r["gflops"])
+                peaks["torch"][1].extend(r["gflops_per_cpu_second"])
+
+            measure_peaks()
+            log("matmul GFLOP/s so far (wall, per cpu-s):",
+                {k: (round(float(np.median(w))), round(float(np.median(c)))) for k, (w, c) in peaks.items()})
+            results, winfo = run_grid(args, worker, models, batches, lengths, Path(tmp), log)
+            info.update(winfo)
+            measure_peaks()
+            info["load_end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+            try:
+                info["transformers"] = subprocess.run(
+                    [str(REF_PYTHON), "-c", "import transformers; print(transformers.__version__)"],
+                    capture_output=True, text=True, timeout=60).stdout.strip()
+            except Exception:
+                pass
+        finally:
+            worker.close()
+    md = report(args, results, peaks, info, started, time.perf_counter() - t_start)
+    print(md)
+    if args.write:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(md)
+        log(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""ST, DT and INFaaS-like baselines, Arlo's self-applied autoscaling and its metrics.
+
+Pure policy tests (no JAX), mostly driven by the discrete-event simulator.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from jaxserve import traces
+from jaxserve.sched.arlo import ArloPolicy, TargetTrackingAutoscaler
+from jaxserve.sched.baselines import (
+    DEFAULT_DT_PENALTY,
+    DynamicShapePolicy,
+    FirstFitDispatcher,
+    HeadroomAllocator,
+    InfaasLikePolicy,
+    StaticPaddingPolicy,
+    exact_length_latency,
+    paper_scaled_slo,
+    paper_time_scale,
+)
+from jaxserve.sched.arlo import LatencyCurve
+from jaxserve.sched.base import Cell, CostModel, LatencyProfile, Request, ShapeGrid
+from jaxserve.simulator import simulate
+
+BUCKETS = (64, 128, 256)
+GRID = ShapeGrid(batch_sizes=(1, 2, 4), seq_buckets=BUCKETS)
+# 1 ms + 10 us per token per row, profiled at every 32 tokens (like a CPU: no staircase)
+PROFILE = LatencyProfile("bert", {Cell(b, s): b * (0.001 + 1e-5 * s) for b in (1, 2, 4) for s in range(32, 257, 32)})
+COST = CostModel({"bert": PROFILE})
+SLO = 0.1
+
+
+def trace(rate: float, n: int, lengths, seed: int = 0):
+    arr = traces.poisson_arrivals(rate, n=n, seed=seed)
+    return traces.make_trace(arr, model="bert", length=traces.sample_lengths(lengths, n, seed=seed + 1), slo_s=SLO)
+
+
+def test_exact_length_latency_interpolates_in_length_then_batch():
+    assert exact_length_latency(PROFILE, 1, 64) == pytest.approx(0.00164)
+    assert exact_length_latency(PROFILE, 1, 80) == pytest.approx(0.001 + 1e-5 * 80)  # between 64 and 96
+    assert exact_length_latency(PROFILE, 1, 10) == pytest.approx(0.00132)  # below 32: the 32 cell
+    assert exact_length_latency(PROFILE, 3, 80) == pytest.approx(3 * (0.001 + 1e-5 * 80))  # between b2, b4
+    assert exact_length_latency(PROFILE, 8, 64) == pytest.approx(8 * 0.00164)  # proportional beyond b4
+    with pytest.raises(ValueError):
+        exact_length_latency(PROFILE, 1, 257)
+
+
+def test_paper_scaled_slo_is_30_9_padded_requests():
+    t = PROFILE.latency(Cell(1, 256))
+    assert paper_time_scale(PROFILE, 256) == pytest.approx(t / 0.00486)
+    assert paper_scaled_slo(PROFILE, 256) == pytest.approx(t * 0.150 / 0.00486)
+
+
+def test_st_pads_everything_to_the_longest_bucket_and_balances_queues():
+    policy = StaticPaddingPolicy("bert", GRID, COST, SLO, instances=3)
+    for k in range(6):
+        policy.on_arrival(Request(k, 0.0, "bert", length=10 + k), 0.0)
+    assert sorted(policy.dispatcher.loads().values()) == [2, 2, 2]  # join the shortest queue
+    plan = policy.plan(0.0, [0, 1, 2])
+    assert {b.cell for b in plan.batches} == {Cell(1, 256)}
+    assert policy.instances_per_runtime() == {256: 3}
+    result = simulate(StaticPaddingPolicy("bert", GRID, COST, SLO, 3), trace(300, 3000, [20, 100, 250]), COST, 3)
+    assert set(result.cell_seq) == {256}
+    assert result.outcome_counts()["ok"] + result.outcome_counts()["late"] == 3000
+
+
+def test_dt_runs_each_request_at_its_exact_length_with_the_penalty():
+    policy = DynamicShapePolicy("bert", GRID, COST, SLO, instances=2, max_batch=4)
+    assert policy.penalty == DEFAULT_DT_PENALTY == 1.22
+    for k, n in enumerate((10, 70, 90, 200)):
+        policy.on_arrival(Request(k, 0.0, "bert", length=n), 0.0)
+    batches = policy.plan(0.0, [0, 1]).batches
+    # live, the answer is computed in the smallest static bucket that holds the batch
+    for b in batches:
+        longest = max((10, 70, 90, 200)[r] for r in b.request_ids)
+        assert b.cell.seq == min(s for s in BUCKETS if s >= longest)
+        assert policy.service_time(b) == pytest.approx(1.22 * exact_length_latency(PROFILE, len(b.request_ids), longest))
+    tr = trace(200, 2000, [20, 100, 250])
+    p = DynamicShapePolicy("bert", GRID, COST, SLO, 2, penalty=2.0)
+    result = simulate(p, tr, COST, 2, service_time=p.service_time)
+    done = result.batch_finish - result.batch_start
+    lengths = result.length[result.batch >= 0][np.argsort(result.batch[result.batch >= 0])]
+    expected = [2.0 * exact_length_latency(PROFILE, 1, int(n)) for n in lengths]
+    assert np.allclose(np.sort(done), np.sort(expected))
+    with pytest.raises(ValueError):
+        DynamicShapePolicy("bert", GRID, COST, SLO, 2, penalty=0.9)
+
+
+def test_first_fit_packs_the_shortest_runtime_with_room_then_the_least_congested():
+    d = FirstFitDispatcher(BUCKETS, (2, 2, 4))
+    d.add_instance(0, 0)
+    d.add_instance(1, 1)
+    d.add_instance(2, 2)
+    assert [d.dispatch(30) for _ in range(2)] == [0, 0]  # runtime 64 until full (M = 2)
+    assert [d.dispatch(30) for _ in range(2)] == [1, 1]  # then 128 (no decaying threshold)
+    assert d.dispatch(30) == 2  # then 256
+    d.complete(2, 1)
+    d.add_instance(3, 2, load=4)
+    for _ in range(4):
+        d.dispatch(30)  # fills 256 (instance 2) to its capacity
+    assert d.loads() == {0: 2, 1: 2, 2: 4, 3: 4}
+    assert d.dispatch(200) == 2  # nothing has room: least congested candidate (ties: lowest id)
+    assert d.dispatch(30) == 0  # P = 2/2 = 1.0 ties 4/4 ... shortest runtime wins the tie
+
+
+def test_headroom_allocator_moves_cold_instances_to_the_hot_runtime_blind_to_lengths():
+    curves = [LatencyCurve(PROFILE, s, 1) for s in BUCKETS]
+    alloc = HeadroomAllocator(BUCKETS, curves, SLO, interval=1.0, window=10.0)
+    assignment = {0: 0, 1: 0, 2: 0, 3: 1, 4: 2}
+    assert alloc.maybe_reallocate(0.0, assignment) is None  # the first call starts the clock
+    alloc.observe(250, 0.0)  # lengths are not what it looks at
+    for k in range(600):  # 600/s dispatched to runtime 128: one instance sustains 1/2.28 ms = 438/s
+        alloc.record(1, k / 600)
+    r = alloc.maybe_reallocate(1.0, assignment)
+    # needs ceil(600 / (438 * 0.8)) = 2 instances: runtime 64 (idle, 3 instances) gives one
+    assert r is not None and r.allocation.counts == (2, 2, 1)
+    assert len(r.moves) == 1 and r.moves[0].source == 0 and r.moves[0].target == 1
+    assert alloc.maybe_reallocate(1.5, assignment) is None  # one decision per interval
+    for k in range(3000):  # 3600 dispatched in the 2 s seen: 1800/s wants 5 instances; runtime 64 can give 2
+        alloc.record(1, 1.0 + k / 3000)
+    r = alloc.maybe_reallocate(2.0, assignment)
+    assert r.allocation.counts == (1, 3, 1)  # every runtime keeps its last instance
+    assert alloc.maybe_reallocate(3.0, {0: 0, 1: 1, 2: 1, 3: 1, 4: 2}) is None  # nothing left to give
+
+
+def test_infaas_policy_reallocates_toward_its_hot_runtime_and_loses_nothing():
+    lengths = [20] * 9 + [200]  # mostly short: the 64 runtime runs hot
+    policy = InfaasLikePolicy("bert", GRID, COST, SLO, instances=6, interval=0.2, window=1.0)
+    assert policy.instances_per_runtime() == {64: 2, 128: 2, 256: 2}
+    result = simulate(policy, trace(2000, 8000, lengths), COST, 6)
+    assert result.outcome_counts()["ok"] + result.outcome_counts()["late"] == 8000
+    assert policy.counters.allocation_changes >= 1
+    assert policy.instances_per_runtime()[64] > 2
+    assert min(policy.instances_per_runtime().values()) >= 1
+
+
+def test_arlo_beats_st_and_dt_on_a_short_heavy_stream():
+    """Not a timing test: simulated latencies on the synthetic profile, fixed seeds."""
+    tr = trace(600, 6000, [20] * 8 + [100, 250])
+    st = simulate(StaticPaddingPolicy("bert", GRID, COST, SLO, 4), tr, COST, 4)
+    dt_policy = DynamicShapePolicy("bert", GRID, COST, SLO, 4, penalty=2.0)
+    dt = simulate(dt_policy, tr, COST, 4, service_time=dt_policy.service_time)
+    arlo = simulate(ArloPolicy("bert", GRID, COST, SLO, 4, period=0.5, warmup=0.2), tr, COST, 4)
+    assert arlo.mean_latency() < dt.mean_latency() < st.mean_latency()
+    assert arlo.padding_ratio() < st.padding_ratio()
+
+
+def test_arlo_applies_its_own_scaling_inside_a_pool_of_worker_slots():
+    scaler = TargetTrackingAutoscaler(SLO, window=0.5, interval=0.1, cooldown=0.3, scale_in_period=1.0)
+    policy = ArloPolicy("bert", GRID, COST, SLO, instances=1, initial_allocation=(0, 0, 1), autoscaler=scaler,
+                        scale_pool=6, period=1.0, warmup=0.5)
+    busy = traces.poisson_arrivals(1500, duration=3.0, seed=0)  # far above one instance's ~400/s
+    quiet = 3.0 + traces.poisson_arrivals(50, duration=6.0, seed=1)
+    arr = np.concatenate([busy, quiet])
+    tr = traces.make_trace(arr, model="bert", length=traces.sample_lengths([20, 100], len(arr), seed=2), slo_s=SLO)
+    result = simulate(policy, tr, COST, instances=6)
+    counts = result.outcome_counts()
+    assert counts["ok"] + counts["late"] == len(arr)  # every request answered once
+    peak = max(n for _, n in policy.instance_log)
+    assert peak > 1  # scaled out under the burst
+    assert policy.instance_log[-1][1] < peak  # and back in when it was quiet
+    actions = [d.action for d in policy.counters.scale_decisions]
+    assert "out" in actions and "in" in actions
+    assert 1 < policy.time_weighted_instances(9.0) < peak
+    # batches only ever ran on slots that were active at the time (never above the peak)
+    assert len(set(result.batch_instance)) <= peak
+
+
+def test_arlo_metrics_report_instances_per_runtime_and_counters():
+    policy = ArloPolicy("bert", GRID, COST, SLO, instances=3, initial_allocation=(0, 0, 3))
+    policy.on_arrival(Request(0, 0.0, "bert", length=10), 0.0)
+    (batch,) = policy.plan(0.0, [0, 1, 2]).batches
+    policy.on_completion(batch, 0.01)
+    m = {(name, tuple(sorted(labels.items()))): v for name, labels, v in policy.metrics()}
+    assert m[("instances", (("runtime", "64"),))] == 0
+    assert m[("instances", (("runtime", "256"),))] == 3
+    assert m[("demotions", ())] == 1 and m[("served", ())] == 1 and m[("queued", ())] == 0
+    assert ("allocation_changes", ()) in m and ("reallocations", ()) in m
+    assert m[("scale_decisions", (("action", "out"),))] == 0
+
+
+@pytest.mark.parametrize("name", ["arlo", "st", "dt", "infaas"])
+def test_make_policy_builds_each_text_stream_policy(name):
+    from serving.server import ServeSettings, make_policy
+
+    class _RT:
+        def __init__(self, grid):
+            self.grid = grid
+
+    runtimes = {"bert": _RT(GRID)}
+    policy = make_policy(ServeSettings(policy=name, instances=3), runtimes, COST)
+    assert policy.name == name
+    assert policy.runtime.capacity  # priced with the paper-scaled SLO
+    assert math.isclose(policy.slo, paper_scaled_slo(PROFILE, 256))
+    assert sum(policy.instances_per_runtime().values()) == 3
+
+
+def test_make_policy_arlo_autoscale_uses_the_engine_slots_as_its_pool():
+    from serving.server import ServeSettings, make_policy
+
+    class _RT:
+        def __init__(self, grid):
+            self.grid = grid
+
+    policy = make_policy(ServeSettings(policy="arlo", instances=5, arlo_autoscale_from=2), {"bert": _RT(GRID)}, COST)
+    assert policy.scale_pool == 5 and policy.autoscaler.max_instances == 5
+    assert sum(policy.instances_per_runtime().values()) == 2
+
+
+def test_dynamic_shape_emulation_reports_the_modelled_time():
+    from jaxserve.runtime import BatchOutput
+    from serving.server import DynamicShapeEmulation
+
+    class Fast:
+        kind = "text"
+
+        def execute(self, cell, payloads, tasks):
+            return BatchOutput([{"n": len(p)} for p in payloads], 0.0)
+
+    rt = DynamicShapeEmulation(Fast(), lambda count, length: 0.001 * count * length / 100)
+    out = rt.execute(Cell(2, 64), [[1] * 30, [1] * 50], ["", ""])
+    assert out.compute_seconds == pytest.approx(0.001)
+    assert [o["n"] for o in out.items] == [30, 50] and rt.kind == "text"
+
+
+def test_reallocation_redispatches_every_queued_request_to_newly_deployed_runtimes():
+    """Requests queued on the longest runtime (theirs had no instance) move when the
+    Runtime Scheduler deploys their runtime, even from an instance that did not move."""
+    for redispatch in (True, False):
+        policy = ArloPolicy("bert", GRID, COST, SLO, instances=3, initial_allocation=(0, 0, 3), period=1.0,
+                            window=10.0, warmup=1.0, redispatch_queued=redispatch)
+        for k in range(39):  # all short, all demoted to the three 256 instances (13 each)
+            policy.on_arrival(Request(k, 0.0, "bert", length=20), 0.0)
+        policy.on_arrival(Request(39, 1.0, "bert", length=20), 1.0)  # a period passed: re-solve
+        assert policy.counters.allocation_changes == 1
+        assert policy.instances_per_runtime()[64] >= 1 and policy.instances_per_runtime()[256] >= 1
+        stayed = [i for i in policy.dispatcher.instances() if policy.dispatcher.level_of(i) == 2]
+        left_on_256 = sum(len(policy._queues[i]) for i in stayed)
+        assert left_on_256 == (0 if redispatch else 13)
+        assert policy.queue_depth() == 40 and sum(policy.dispatcher.loads().values()) == 40
+
+
+def test_ig_by_load_ignores_capacity_and_ig_by_congestion_does_not():
+    from jaxserve.sched.arlo import InterGroupGreedy, InterGroupGreedyByLoad
+
+    for cls, expected in ((InterGroupGreedy, 0), (InterGroupGreedyByLoad, 1)):
+        d = cls(BUCKETS, (10, 2, 2))
+        d.add_instance(0, 0, load=3)  # 3/10 congested
+        d.add_instance(1, 1, load=1)  # 1/2 congested but fewer requests
+        assert d.dispatch(30) == expected

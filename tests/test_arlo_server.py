@@ -1,0 +1,133 @@
+"""Arlo and its baselines through the real HTTP server on 127.0.0.1 (tiny MiniLM grid).
+
+Each policy must answer every request exactly once, never compile after warmup,
+plan only on instances the engine considers idle (the engine raises otherwise, and
+the request would then never be answered) and lose no queued request when the
+Runtime Scheduler moves an instance to another runtime. The cost model is a
+synthetic file, so the policies' decisions do not depend on how busy this machine is.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import re
+import time
+
+import httpx
+import pytest
+
+from jaxserve.sched.base import Cell, CostModel, LatencyProfile, ShapeGrid
+from serving.server import ServeSettings
+from test_server import LiveServer
+
+BUCKETS = (16, 32, 64)
+GRID = ShapeGrid(batch_sizes=(1,), seq_buckets=BUCKETS)
+# 1 ms per 16 tokens per row: decisions are reproducible; DT's modelled time stays short
+COST = CostModel({"minilm-l6": LatencyProfile(
+    "minilm-l6", {Cell(b, s): 0.001 * b * s / 16 for b in GRID.batch_sizes for s in BUCKETS})})
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("arlo_server")
+    (d / "cost.json").write_text(COST.to_json())
+    return d
+
+
+def settings(workdir, policy: str, **kw) -> ServeSettings:
+    return ServeSettings(models=("minilm-l6",), cache_dir=str(workdir / "cache"), policy=policy, instances=2,
+                         max_queue=512, progress=False, text_grid=GRID, cost_model=str(workdir / "cost.json"),
+                         slo_ms=1000.0, **kw)
+
+
+def words(n: int) -> str:
+    return " ".join(["car"] * n)  # "car" is one token: n words -> n + 2 tokens
+
+
+def post_all(url: str, bodies: list[dict]) -> list[tuple[int, dict]]:
+    def one(body):
+        with httpx.Client(base_url=url, timeout=120) as c:
+            r = c.post("/v1/embeddings", json=body)
+            return r.status_code, r.json()
+
+    with cf.ThreadPoolExecutor(32) as pool:
+        return list(pool.map(one, bodies))
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    m = re.search(rf"^{re.escape(name + labels)} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name}{labels} missing from /metrics"
+    return float(m.group(1))
+
+
+def test_arlo_answers_everything_once_across_reallocations(workdir):
+    """Two waves of short requests, a Runtime-Scheduler period apart: the policy moves an
+    instance to the short runtime while requests are queued, and every item is answered."""
+    with LiveServer(settings(workdir, "arlo", arlo_period_s=0.3)) as server:
+        models = httpx.get(server.url + "/v1/models").json()
+        assert models["policy"] == "ArloPolicy"
+        m0 = httpx.get(server.url + "/metrics").text
+        assert sum(metric(m0, "jaxserve_policy_instances", f'{{runtime="{b}"}}') for b in BUCKETS) == 2
+        assert metric(m0, "jaxserve_policy_instances", '{runtime="16"}') == 0  # even start: 0, 1, 1
+
+        first = [{"input": [words(3 + i % 10)] * (1 + i % 3)} for i in range(60)]
+        results = post_all(server.url, first)
+        time.sleep(0.4)  # a period passes: the next callbacks re-solve the allocation
+        second = [{"input": [words(3 + i % 10), words(40)][: 1 + i % 2]} for i in range(60)]
+        results += post_all(server.url, second)
+
+        sent_items = sum(len(b["input"]) for b in first + second)
+        assert [code for code, _ in results] == [200] * len(results)
+        items = [d for _, body in results for d in body["data"]]
+        assert len(items) == sent_items
+        assert {d["meta"]["outcome"] for d in items} <= {"ok", "late"}
+        assert all(len(d["embedding"]) == 384 for d in items)
+        assert all(int(d["meta"]["shape"].split("_s")[1].split("_")[0]) in BUCKETS for d in items)
+
+        m = httpx.get(server.url + "/metrics").text
+        assert metric(m, "jaxserve_compilations_since_ready") == 0
+        assert metric(m, "jaxserve_policy_served") == sent_items
+        assert metric(m, "jaxserve_policy_queued") == 0
+        assert metric(m, "jaxserve_policy_reallocations") >= 1
+        assert metric(m, "jaxserve_policy_allocation_changes") >= 1
+        assert metric(m, "jaxserve_policy_instances", '{runtime="16"}') >= 1  # short traffic won an instance
+        assert sum(metric(m, "jaxserve_policy_instances", f'{{runtime="{b}"}}') for b in BUCKETS) == 2
+        assert metric(m, "jaxserve_policy_demotions") >= 1  # the first wave ran on longer runtimes
+        items_by_outcome = sum(float(x) for x in re.findall(r'^jaxserve_items\{outcome="\w+"\} ([0-9.]+)$', m, re.M))
+        assert items_by_outcome == sent_items
+
+
+# ST and INFaaS-like differ from Arlo only inside the policy (tests/test_arlo_baselines.py builds them through
+# make_policy); DT also wraps the served runtime, so it is the baseline that needs the real server.
+@pytest.mark.parametrize("policy", ["dt"])
+def test_baselines_serve_through_http(workdir, policy):
+    with LiveServer(settings(workdir, policy)) as server:
+        lengths = [1, 10, 20, 40, 50, 5, 30, 12]
+        results = post_all(server.url, [{"input": [words(n)]} for n in lengths * 3])
+        assert [code for code, _ in results] == [200] * len(results)
+        for (_, body), n in zip(results, lengths * 3):
+            (d,) = body["data"]
+            tokens = n + 2
+            seq = int(d["meta"]["shape"].split("_s")[1].split("_")[0])
+            assert d["meta"]["outcome"] in ("ok", "late") and seq >= tokens
+            if policy == "st":
+                assert seq == 64  # padded to the maximum length
+            if policy == "dt":  # computed in the smallest bucket, held for the modelled DT time
+                assert seq == min(b for b in BUCKETS if b >= tokens)
+                assert d["meta"]["compute_ms"] >= 1.22 * tokens / 16 - 1e-3  # meta rounds to 1 us
+        m = httpx.get(server.url + "/metrics").text
+        assert metric(m, "jaxserve_compilations_since_ready") == 0
+        assert metric(m, "jaxserve_policy_served") == len(results)
+        if policy in ("st", "dt"):
+            assert metric(m, "jaxserve_policy_instances", '{runtime="64"}') == 2
+
+
+def test_text_stream_policies_refuse_image_models(workdir):
+    from serving.server import make_policy
+
+    class _RT:
+        def __init__(self, grid):
+            self.grid = grid
+
+    with pytest.raises(ValueError, match="exactly one text model"):
+        make_policy(settings(workdir, "arlo"), {"minilm-l6": _RT(GRID), "vit-demo": _RT(ShapeGrid((1,)))}, COST)

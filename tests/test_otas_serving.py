@@ -1,0 +1,177 @@
+"""`--policy otas` through real HTTP on 127.0.0.1: the demo ViT with its prompt repository, a tiny
+grid (batch 4 x gamma -2, 0, 2: three executables), mixed-task requests with SLOs and utilities.
+
+Checks: every item gets exactly one answer, each answer names the gamma it ran with (equal to
+the gamma of the executable in its ``shape``) and its OTAS outcome type (1 on time, 3 late,
+4 evicted, matching ``outcome``), labels come from the request's task, and nothing compiles
+after warmup. Needs the trained repository in jaxserve/assets/vit-demo-prompts.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import httpx
+import pytest
+
+from jaxserve.profiler import save_cost_model
+from jaxserve.registry import vit_demo_prompts_dir
+from jaxserve.sched.base import CostModel, LatencyProfile, ShapeGrid
+from serving.server import ServeSettings
+from test_server import LiveServer
+
+GRID = ShapeGrid(batch_sizes=(4,), gammas=(-2, 0, 2))
+TASK_LABELS = {"digits": [str(i) for i in range(10)], "parity": ["even", "odd"], "inverted": [str(i) for i in range(10)]}
+
+pytestmark = pytest.mark.skipif(not (vit_demo_prompts_dir() / "accuracy.json").exists(),
+                                reason="the demo prompt repository is not trained (jaxserve train-prompts)")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    # A cost model that prices every cell (1 ms + 0.5 ms per image; prompts cost more, merging
+    # less), so start-up skips timing: the test is about serving, not about this machine's speed.
+    cache = tmp_path_factory.mktemp("cache")
+    latency = LatencyProfile("vit-demo", {c: (1 + 0.5 * c.batch) * (1 + 0.05 * c.gamma) / 1e3 for c in GRID.cells()})
+    save_cost_model(cache / "cost.json", CostModel(latency={"vit-demo": latency}))
+    settings = ServeSettings(models=("vit-demo",), cache_dir=str(cache), policy="otas", cost_model=str(cache / "cost.json"),
+                             max_queue=128, progress=False, image_grid=GRID)
+    with LiveServer(settings) as s:
+        yield s
+
+
+def _images(count: int, seed: int = 0) -> list:
+    from jaxserve.datasets import digits_examples
+
+    images, _ = digits_examples((32, 32, 1), count=count, seed=seed)
+    return [img.tolist() for img in images]
+
+
+def _check(item: dict, task: str) -> None:
+    meta = item["meta"]
+    expected_type = {"ok": 1, "late": 3, "evicted": 4}[meta["outcome"]]
+    assert meta["outcome_type"] == expected_type, meta
+    if meta["outcome"] == "evicted":
+        assert item["label"] is None
+        return
+    assert meta["gamma"] in GRID.gammas
+    assert meta["shape"].endswith(f"_g{meta['gamma']}")  # the executable that ran is the policy's cell
+    assert item["label"] in TASK_LABELS[task]
+    assert sorted(item["probabilities"]) == sorted(TASK_LABELS[task])
+
+
+def test_models_lists_the_tasks_and_gammas(server):
+    body = httpx.get(server.url + "/v1/models").json()
+    assert body["policy"] == "OTASPolicy"
+    (model,) = body["models"]
+    assert model["grid"]["gammas"] == list(GRID.gammas)
+    assert set(model["tasks"]) == set(TASK_LABELS)
+
+
+def test_each_answer_reports_gamma_and_outcome_type(server):
+    images = _images(3)
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        for task in TASK_LABELS:
+            r = c.post("/v1/classify/image", json={"model": "vit-demo", "task": task, "inputs": images,
+                                                   "slo_ms": 5000, "utility": 0.5})
+            assert r.status_code == 200, r.text
+            results = r.json()["results"]
+            assert len(results) == 3
+            for item in results:
+                _check(item, task)
+                assert item["meta"]["outcome"] == "ok"
+
+
+def test_digits_answers_are_right_under_otas(server):
+    from jaxserve.datasets import digits_examples
+
+    images, labels = digits_examples((32, 32, 1), count=8, seed=3)
+    r = httpx.post(server.url + "/v1/classify/image", timeout=60,
+                   json={"task": "digits", "inputs": [x.tolist() for x in images], "slo_ms": 10000})
+    preds = [x["label"] for x in r.json()["results"]]
+    assert sum(p == str(t) for p, t in zip(preds, labels)) >= 6
+
+
+def test_exactly_one_answer_per_item_under_mixed_concurrent_load(server):
+    """Mixed tasks, SLOs and utilities from many clients at once: each item is answered once
+    (200 or 429 for the whole request), every answer carries its gamma and outcome type, and
+    nothing compiles."""
+    images = _images(4, seed=1)
+    tasks = list(TASK_LABELS)
+    sent = 60
+
+    def one(i):
+        task = tasks[i % 3]
+        body = {"task": task, "inputs": images[: 1 + i % 4], "slo_ms": [50.0, 400.0, 2000.0][i % 3],
+                "utility": [0.3, 1.0, 0.01][(i // 3) % 3]}
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            r = c.post("/v1/classify/image", json=body)
+            return i, task, r.status_code, r.json()
+
+    with cf.ThreadPoolExecutor(24) as pool:
+        results = list(pool.map(one, range(sent)))
+    assert len(results) == sent
+    answered = 0
+    for i, task, status, body in results:
+        assert status in (200, 429), body
+        if status == 200:
+            assert [x["index"] for x in body["results"]] == list(range(1 + i % 4))
+            for item in body["results"]:
+                _check(item, task)
+            answered += 1
+    assert answered > 0
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "jaxserve_compilations_since_ready 0.0" in metrics
+
+
+def test_hopeless_slo_is_evicted_with_type_4(server):
+    r = httpx.post(server.url + "/v1/classify/image", timeout=60,
+                   json={"task": "parity", "inputs": _images(2), "slo_ms": 0.001})
+    assert r.status_code == 200
+    for item in r.json()["results"]:
+        assert item["meta"]["outcome"] == "evicted" and item["meta"]["outcome_type"] == 4
+        assert item["meta"]["gamma"] is None
+
+
+def test_make_otas_policy_refuses_what_it_cannot_serve():
+    from jaxserve.sched.base import AccuracyProfile, Cell
+    from jaxserve.sched.otas import FixedToMePolicy, FixedVPTPolicy, OTASPolicy, PetSPolicy, make_otas_policy
+
+    class _RT:
+        def __init__(self, grid, accuracy=None):
+            self.grid, self.accuracy = grid, accuracy
+
+    latency = LatencyProfile("m", {c: 0.01 * c.batch for c in GRID.cells()})
+    accuracy = AccuracyProfile("m", {(t, g): 0.9 for t in TASK_LABELS for g in GRID.gammas})
+    cost = CostModel(latency={"m": latency})
+    with pytest.raises(ValueError, match="no accuracy profile"):
+        make_otas_policy("otas", {"m": _RT(GRID)}, cost)
+    with pytest.raises(ValueError, match="exactly one"):
+        make_otas_policy("otas", {"m": _RT(GRID, accuracy), "n": _RT(GRID, accuracy)}, cost)
+    text = ShapeGrid(batch_sizes=(1,), seq_buckets=(16,))
+    with pytest.raises(ValueError, match="image"):
+        make_otas_policy("otas", {"m": _RT(text, accuracy)}, CostModel(latency={"m": LatencyProfile("m", {Cell(1, 16): 1.0})}))
+    kinds = {name: type(make_otas_policy(name, {"m": _RT(GRID, accuracy)}, cost)) for name in ("otas", "pets", "tome", "vpt")}
+    assert kinds == {"otas": OTASPolicy, "pets": PetSPolicy, "tome": FixedToMePolicy, "vpt": FixedVPTPolicy}
+    tome = make_otas_policy("tome", {"m": _RT(GRID, accuracy)}, cost)
+    assert tome.gamma == -2 and tome.record_limit == 100_000
+    assert make_otas_policy("vpt", {"m": _RT(GRID, accuracy)}, cost, {"vpt_gamma": 2}).gamma == 2
+
+
+def test_record_limit_bounds_what_a_long_running_policy_keeps():
+    from jaxserve.sched.base import AccuracyProfile, Request
+    from jaxserve.sched.otas import PetSPolicy
+
+    latency = LatencyProfile("m", {c: 0.001 for c in GRID.cells()})
+    accuracy = AccuracyProfile("m", {("digits", g): 0.9 for g in GRID.gammas})
+    policy = PetSPolicy("m", latency, accuracy, GRID)
+    policy.record_limit = 5
+    now = 0.0
+    for i in range(20):
+        policy.on_arrival(Request(i, now, "m", "digits", deadline=now + 1.0), now)
+        for batch in policy.plan(now, [0]).batches:
+            now += 0.001
+            policy.on_completion(batch, now)
+    assert len(policy.outcomes) <= 5 and len(policy.request_gamma) <= 5
+    assert policy.describe_request(19) == {"gamma": 0, "outcome_type": 1}
+    assert policy.describe_request(0) == {}
