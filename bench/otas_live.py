@@ -102,6 +102,23 @@ async def replay(url: str, workload, images: dict, labels_of: dict, timeout_s: f
     return rec
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ensure_ours(proc, url: str, policy: str) -> None:
+    """Refuse to load a server that is not the one just started (another job on the port)."""
+    body = httpx.get(url + "/v1/models", timeout=10).json()
+    models = [m["id"] for m in body.get("models", [])]
+    expected = {"otas": "OTASPolicy", "pets": "PetSPolicy", "tome": "FixedToMePolicy", "vpt": "FixedVPTPolicy"}[policy]
+    if proc.poll() is not None or models != [MODEL] or body.get("policy") != expected:
+        raise RuntimeError(f"{url} is not our {policy} server (models {models}, policy {body.get('policy')})")
+
+
 def live_score(rec: dict, workload) -> dict:
     trace = workload.trace
     gained = np.where(rec["type"] == 1, trace.utility, 0.0)
@@ -128,7 +145,7 @@ def main() -> None:
     p.add_argument("--traces", default="synthetic,bursty")
     p.add_argument("--policies", default="otas,pets,tome,vpt")
     p.add_argument("--cost", default=str(Path(__file__).parent / "otas_cost_vit-demo.json"))
-    p.add_argument("--port", type=int, default=8031)
+    p.add_argument("--port", type=int, default=0, help="0: a free port, chosen per server")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--cache-dir", default="compiled_cache")
     p.add_argument("--write", action="store_true")
@@ -145,7 +162,6 @@ def main() -> None:
     images = pngs_by_task((32, 32, 1))
     labels_of = {"digits": [str(i) for i in range(10)], "inverted": [str(i) for i in range(10)],
                  "parity": ["even", "odd"]}
-    url = f"http://127.0.0.1:{args.port}"
     results = {}
     for kind in args.traces.split(","):
         workload = make_workload(kind, args.duration, args.seed, rate_scale=args.rate_scale, slo_scale=args.slo_scale)
@@ -153,7 +169,9 @@ def main() -> None:
         results[kind] = {"requests": len(workload.trace), "policies": {}}
         for key in args.policies.split(","):
             name = POLICIES[key]
-            cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--policy", key, "--port", str(args.port),
+            port = args.port or free_port()
+            url = f"http://127.0.0.1:{port}"
+            cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--policy", key, "--port", str(port),
                    "--cache-dir", args.cache_dir, "--cost-model", args.cost, "--max-queue", "4096",
                    f"--gammas={','.join(str(g) for g in grid.gammas)}",
                    "--batch-sizes", ",".join(str(b) for b in grid.batch_sizes)]
@@ -163,6 +181,7 @@ def main() -> None:
                 cmd += ["--vpt-gamma", str(VPT_GAMMA)]
             server = start(cmd, url)
             try:
+                ensure_ours(server, url, key)
                 rec = asyncio.run(replay(url, workload, images, labels_of))
             finally:
                 stop(server)
