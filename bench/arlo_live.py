@@ -252,6 +252,15 @@ def main() -> None:
     st_compute = np.nanmean(np.concatenate([r["compute"] for r in samples["st"]]))
     body = table(["scheme", "answered", "mean ms", "p50 ms", "p98 ms", "mean compute ms", "late (> SLO)", "errors/429",
                   "compiles after ready", "Arlo mean vs it", "Arlo p98 vs it"], rows)
+    per_round = []
+    for name, label in SCHEMES:
+        for rnd, r in enumerate(samples[name]):
+            keep = (r["sent"] >= args.warm_s) & np.isfinite(r["latency"])
+            per_round.append([str(rnd + 1), label, f"{r['latency'][keep].mean() * 1e3:.0f}",
+                              f"{np.percentile(r['latency'][keep], 98) * 1e3:.0f}",
+                              f"{np.nanmean(r['compute'][keep]) * 1e3:.0f}"])
+    body += ("\n\nPer round (the shared machine's load changes from one scheme's run to the next; compare rounds "
+             "before pooling):\n\n" + table(["round", "scheme", "mean ms", "p98 ms", "mean compute ms"], per_round))
     _plot(pooled, slo)
     notes = (
         f"MiniLM-L6 (real weights) over HTTP on 127.0.0.1, 2 instances = 2 executor threads with single-threaded "
