@@ -143,7 +143,7 @@ def _arlo_family_policy(settings: ServeSettings, runtimes: dict, cost: CostModel
     penalty = settings.dt_penalty or baselines.DEFAULT_DT_PENALTY
     policy = baselines.DynamicShapePolicy(name, rt.grid, cost, slo, settings.instances, penalty=penalty, **common)
     if hasattr(rt, "execute"):
-        runtimes[name] = DynamicShapeEmulation(rt, policy.service_seconds)
+        runtimes[name] = DynamicShapeEmulation(rt, policy.live_factor)
     return policy
 
 
@@ -152,14 +152,17 @@ class DynamicShapeEmulation:
 
     The batch is computed in the static cell the DT policy chose (the smallest bucket
     that holds it: real answers, no compile at request time); the worker then holds
-    the batch until ``seconds_for(count, longest_length)`` has passed since it
-    started, so clients and the queue behind see the modelled DT latency. If the
-    static executable took longer than the model, the measured time stands.
+    the batch until ``factor_for(cell, count, longest_length)`` times the measured
+    execution time has passed since it started, so clients and the queue behind see
+    DT's latency. The factor (``DynamicShapePolicy.live_factor``: penalty x exact-length
+    / bucket latency, both from the profile) scales *this* run's measured time, so DT
+    pays the machine's current speed like every other policy, not the profile's.
+    If the factor is below 1 the measured time stands.
     """
 
-    def __init__(self, runtime, seconds_for):
+    def __init__(self, runtime, factor_for):
         self._runtime = runtime
-        self._seconds_for = seconds_for
+        self._factor_for = factor_for
 
     def __getattr__(self, name):
         return getattr(self._runtime, name)
@@ -169,8 +172,9 @@ class DynamicShapeEmulation:
 
         t0 = time.perf_counter()
         out = self._runtime.execute(cell, payloads, tasks)
-        target = self._seconds_for(len(payloads), max(len(p) for p in payloads))
-        rest = target - (time.perf_counter() - t0)
+        measured = time.perf_counter() - t0
+        target = measured * self._factor_for(cell, len(payloads), max(len(p) for p in payloads))
+        rest = target - measured
         if rest > 0:
             time.sleep(rest)
         out.compute_seconds = max(out.compute_seconds, target)

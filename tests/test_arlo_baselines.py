@@ -212,20 +212,28 @@ def test_make_policy_arlo_autoscale_uses_the_engine_slots_as_its_pool():
     assert sum(policy.instances_per_runtime().values()) == 2
 
 
-def test_dynamic_shape_emulation_reports_the_modelled_time():
+def test_dynamic_shape_emulation_scales_the_measured_time_by_the_dt_factor():
+    import time
+
     from jaxserve.runtime import BatchOutput
     from serving.server import DynamicShapeEmulation
 
-    class Fast:
+    class Slow:
         kind = "text"
 
         def execute(self, cell, payloads, tasks):
-            return BatchOutput([{"n": len(p)} for p in payloads], 0.0)
+            time.sleep(0.01)  # at least 10 ms
+            return BatchOutput([{"n": len(p)} for p in payloads], 0.01)
 
-    rt = DynamicShapeEmulation(Fast(), lambda count, length: 0.001 * count * length / 100)
+    seen = []
+    rt = DynamicShapeEmulation(Slow(), lambda cell, count, length: seen.append((cell, count, length)) or 2.0)
     out = rt.execute(Cell(2, 64), [[1] * 30, [1] * 50], ["", ""])
-    assert out.compute_seconds == pytest.approx(0.001)
+    assert seen == [(Cell(2, 64), 2, 50)]
+    assert out.compute_seconds >= 0.02  # held for 2x the (>= 10 ms) measured time
     assert [o["n"] for o in out.items] == [30, 50] and rt.kind == "text"
+    policy = DynamicShapePolicy("bert", GRID, COST, SLO, 2, penalty=2.0)
+    assert policy.live_factor(Cell(1, 128), 1, 96) == pytest.approx(
+        2.0 * exact_length_latency(PROFILE, 1, 96) / PROFILE.latency(Cell(1, 128)))
 
 
 def test_reallocation_redispatches_every_queued_request_to_newly_deployed_runtimes():

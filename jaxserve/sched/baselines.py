@@ -38,9 +38,11 @@ favourable value for DT, so our reductions against DT are lower bounds
 ``service_time`` (:meth:`DynamicShapePolicy.service_time`); in the live engine the
 batch computes its answer in the smallest static bucket that holds it
 (:meth:`DynamicShapePolicy._cell_for`, so no compile ever happens at request time)
-and the worker then holds the batch until the modelled DT time has passed
-(``serving/server.py``: ``DynamicShapeEmulation``); if the static executable is
-slower than the model, DT pays the measured time.
+and the worker then holds the batch for its measured time times
+:meth:`DynamicShapePolicy.live_factor` (``penalty * exact / bucket`` latency from
+the profile; ``serving/server.py``: ``DynamicShapeEmulation``), so live DT runs at
+the machine's current speed like the other policies; when the factor is below 1
+DT pays the measured time.
 
 **INFaaS-like** (Romero et al., ATC '21, as Arlo §5 uses it: "multiple variants,
 bin-packing dispatch, headroom autoscaling"; it "does not take into account the
@@ -226,6 +228,15 @@ class DynamicShapePolicy(ArloPolicy):
     def service_seconds(self, count: int, length: int) -> float:
         """Modelled DT time of ``count`` requests padded to the longest, ``length`` tokens."""
         return self.penalty * exact_length_latency(self.profile, count, length)
+
+    def live_factor(self, cell: Cell, count: int, length: int) -> float:
+        """DT time / static time of ``cell``, for the live emulation (``serving/server.py``).
+
+        ``penalty * exact(count, length) / exact(count, cell.seq)``: the live worker
+        multiplies the executable's *measured* time by it, so DT follows the machine's
+        speed at the moment rather than the profile's absolute numbers.
+        """
+        return self.service_seconds(count, length) / exact_length_latency(self.profile, count, cell.seq)
 
     def service_time(self, batch: Batch) -> float:
         """The simulator's ``service_time`` for a batch this policy planned."""
