@@ -206,8 +206,17 @@ def enable_xla_cache(path: str | Path) -> None:
 
     jax's defaults skip programs that compile in under a second or are tiny, which is
     exactly what our polymorph cells are on a small model.
+
+    jax also turns on XLA's own side caches by default (the GPU per-fusion autotune
+    cache), and it does so by writing *the cache directory's path* into the compile
+    options, which are part of every entry's key: a cache written at one path then
+    never hits at another (measured: a warmup job's cache copied elsewhere gave 0 hits
+    of 6). A warmup job's output is meant to be shipped (CI artifact, image layer), so
+    we switch those side caches off ("none") and keep the key path-independent; the
+    serialized executables remain the fast path on every backend.
     """
     path = _owner_only_dir(Path(path))
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)

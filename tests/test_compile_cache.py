@@ -127,3 +127,39 @@ def test_cache_is_owner_only(cache_dir):
     for f in (cache_dir / "executables").iterdir():
         assert stat.S_IMODE(os.stat(f).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(cache_dir / "manifest.json").st_mode) == 0o600
+
+
+_XLA_CHILD = """
+import json, sys
+from jaxserve.compile_cache import CompileCache, compile_count, xla_cache_hits
+from jaxserve.models.bert import BERT_CONFIGS
+from jaxserve.polymorph import PolymorphTable
+from jaxserve.sched.base import ShapeGrid
+from jaxserve.servables import bert_servable
+cache = CompileCache(sys.argv[1])
+PolymorphTable(bert_servable("tiny", BERT_CONFIGS["bert-tiny-test"], ShapeGrid((1, 2), (16,))), cache).warmup()
+print(json.dumps({"compiles": compile_count(), "hits": xla_cache_hits()}))
+"""
+
+
+def test_xla_cache_still_hits_after_the_cache_directory_is_moved(tmp_path):
+    """A warmup job's cache is shipped elsewhere (CI artifact, image layer): XLA must still hit.
+
+    Without serialized executables every cell is traced and lowered again, and the XLA
+    persistent cache must answer all of them; jax's default side caches would put the
+    directory's path into every key and make all of them miss.
+    """
+    import shutil
+    import subprocess
+    import sys
+
+    def run(path):
+        out = subprocess.run([sys.executable, "-c", _XLA_CHILD, str(path)], capture_output=True, text=True,
+                             check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first = run(tmp_path / "built")
+    assert first["hits"] == 0 and first["compiles"] == 2
+    shutil.copytree(tmp_path / "built", tmp_path / "shipped")
+    shutil.rmtree(tmp_path / "shipped" / "executables")  # force the XLA-cache path
+    assert run(tmp_path / "shipped")["hits"] == 2
