@@ -44,7 +44,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_
 
 import numpy as np  # noqa: E402
 
-from bench.common import record, table  # noqa: E402
+from bench.common import PLOTS, record, save_plot, table  # noqa: E402
 from bench.load import start, stop  # noqa: E402
 
 MODEL = "minilm-l6"
@@ -298,13 +298,7 @@ def _plot(pooled, slo: float) -> None:
     ax.set_xlabel("latency (ms)")
     ax.set_ylabel("CDF")
     ax.set_title("Live, MiniLM-L6, 2 instances (this machine)", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(__file__).parent / "plots" / "arlo_live.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_plot(fig, ax, PLOTS / "arlo_live.png", legend_size=8, dpi=110)
 
 
 if __name__ == "__main__":

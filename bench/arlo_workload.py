@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import save_plot
 from jaxserve import traces
 from jaxserve.sched.arlo import ArloPolicy, allocation_problem, solve_allocation
 from jaxserve.sched.base import CostModel, ShapeGrid, bucket_for_length
@@ -273,9 +274,4 @@ def cdf_plot(path: Path, runs: list[Run], title: str, slo_s: float, xmax: float 
     ax.set_title(title, fontsize=9)
     if xmax:
         ax.set_xlim(0, xmax)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_plot(fig, ax, path, legend_size=8, dpi=110)

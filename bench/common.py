@@ -29,9 +29,17 @@ def machine() -> str:
     return f"{machine_description()}; jax {jax.__version__} on {jax.devices()[0].platform}"
 
 
+def _invocation() -> list[str]:
+    """argv as a user would retype it from the repository root: ``-m bench.x`` for a script here."""
+    script = Path(sys.argv[0]).resolve()
+    if script.parent == Path(__file__).resolve().parent and script.suffix == ".py":
+        return ["-m", f"bench.{script.stem}", *sys.argv[1:]]
+    return sys.argv
+
+
 def record(key: str, title: str, body: str, notes: str = "") -> None:
     """Replace (or append) the ``key`` section of bench/RESULTS.md."""
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    command = "python " + " ".join(shlex.quote(a) for a in _invocation())
     stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     section = (f"<!-- bench:{key} -->\n## {title}\n\n"
                f"*Machine:* {machine()}  \n*Date:* {stamp}  \n*Command:* `{command}`\n\n"
@@ -45,3 +53,17 @@ def record(key: str, title: str, body: str, notes: str = "") -> None:
     else:
         text = text.rstrip() + "\n\n" + section + "\n"
     RESULTS.write_text(text)
+
+
+def save_plot(fig, ax, path: Path, legend_size=None, dpi: int = 120) -> Path:
+    """Finish a one-axes figure the way every benchmark plot looks (grid, legend) and write it."""
+    import matplotlib.pyplot as plt
+
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path

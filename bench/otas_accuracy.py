@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.common import PLOTS, record, table
+from bench.common import PLOTS, record, save_plot, table
 
 # The optimiser comparison behind training/train_prompts.py's defaults: the same code
 # (train_repository, task "inverted", P = 4), profiling-split accuracy of (P = 0 probe, P = 4).
@@ -58,12 +58,7 @@ def plot(profiles: dict, gammas, path: Path) -> None:
     ax.set_xlabel("gamma (< 0: ToMe merges per layer, > 0: prompts per layer)")
     ax.set_ylabel("accuracy")
     ax.set_title("demo ViT: accuracy vs gamma (solid test, dotted profiling split)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(fig, ax, path)
 
 
 def main() -> None:

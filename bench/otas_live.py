@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.common import PLOTS, record, table
+from bench.common import PLOTS, record, save_plot, table
 from bench.load import start, stop
 from bench.otas_utility import MODEL, QUERY_TYPES, TOME_GAMMA, VPT_GAMMA, correctness_table, make_workload, score
 
@@ -253,12 +253,7 @@ def _plot(res, path, title):
     ax.set_xlabel("time (s)")
     ax.set_ylabel("cumulative utility")
     ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(fig, ax, path)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from bench.common import PLOTS, record, table
+from bench.common import PLOTS, record, save_plot, table
 
 
 def measure(config_name: str, gammas, batch: int, repeats: int, modes=("replace",), cache_dir=None, log=print):
@@ -91,12 +91,7 @@ def plot(rows, path, title):
     ax.set_xlabel("gamma (tokens per layer: < 0 ToMe merges, > 0 prompts)")
     ax.set_ylabel("images / s")
     ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(fig, ax, path)
 
 
 def main() -> None:

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import PLOTS, record, table
+from bench.common import PLOTS, record, save_plot, table
 
 QUERY_TYPES = (
     ("parity", 0.6, 0.3), ("parity", 1.0, 0.01),
@@ -213,12 +213,7 @@ def plot_curves(results: dict, path: Path, title: str) -> None:
     ax.set_xlabel("time (s)")
     ax.set_ylabel("cumulative utility")
     ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(fig, ax, path)
 
 
 def report(all_results: dict, factor: float, duration: float) -> tuple[str, str]:

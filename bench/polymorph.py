@@ -10,7 +10,7 @@ by the MiniLM tokenizer, in arrival order, served in batches of ``--batch``. Eve
 alternative sees the same batches; (b) and (d) group a window of arrivals by length
 first, as a bucketing server does. Throughput counts real (unpadded) tokens.
 
-    python bench/polymorph.py [--models minilm-l6,bert-base] [--requests 512] [--batch 8]
+    python -m bench.polymorph [--models minilm-l6,bert-base] [--requests 512] [--batch 8]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 from bench.common import record, table
 from jaxserve.compile_cache import compile_count, compile_seconds
@@ -119,10 +120,14 @@ def bench_model(name: str, requests: int, batch: int, seed: int, repeats: int, l
         "(d) no-padding limit": (exact_batches, lambda b: Cell(batch, max(map(len, b))), limit_exes, False),
     }
     results = {k: [] for k in alternatives}
+    progress = tqdm(total=repeats * len(alternatives), desc=name, unit="run")
     for rep in range(repeats):  # interleave the alternatives so drift hits all of them alike
         for label, (batches, cell_of, exes, naive) in alternatives.items():
+            progress.set_postfix_str(f"repeat {rep + 1}: {label}")
             fresh_jit = jax.jit(make_encode_fn(graphdef)) if naive else None  # a new function: cold caches
             results[label].append(run_batches(batches, cell_of, exes, weights, fresh_jit))
+            progress.update()
+    progress.close()
     rows = []
     limit_tps = None
     summary = {}

@@ -11,7 +11,7 @@ from pathlib import Path
 MODELS = ("minilm-l6", "vit-demo")
 
 
-TEXT_STREAM_POLICIES = ("arlo", "st", "dt", "infaas")  # one text stream owns every instance
+from jaxserve.sched import SERVE_POLICIES, TEXT_STREAM_POLICIES
 
 
 def _models(args) -> tuple[str, ...]:
@@ -298,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     common(sp)
     sp.add_argument("--host", default="127.0.0.1")
     sp.add_argument("--port", type=int, default=8000)
-    sp.add_argument("--policy", default="default", help="default | arlo | st | dt | infaas")
+    sp.add_argument("--policy", default="default", choices=SERVE_POLICIES,
+                    help="default: deadline-aware batching; text (one model): arlo and its baselines st, dt, "
+                         "infaas; images (one model): otas and its baselines pets, tome, vpt")
     sp.add_argument("--instances", type=int, default=1)
     sp.add_argument("--max-queue", type=int, default=256)
     sp.add_argument("--max-wait-ms", type=float, default=0.0)
@@ -349,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--cv", type=float, default=2.0)
     sp.add_argument("--requests", type=int, default=100_000)
     sp.add_argument("--slo-ms", type=float, default=None)
-    sp.add_argument("--policy", default="default")
+    sp.add_argument("--policy", default="default", choices=SERVE_POLICIES, help="as for serve")
     sp.add_argument("--instances", type=int, default=1)
     sp.add_argument("--max-queue", type=int, default=256)
     sp.add_argument("--max-wait-ms", type=float, default=0.0)

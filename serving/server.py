@@ -21,12 +21,12 @@ from jaxserve.compile_cache import CompileCache, compile_count
 from jaxserve.engine import Engine
 from jaxserve.profiler import load_cost_model, machine_description, profile_table, save_cost_model
 from jaxserve.runtime import ModelRuntime
+from jaxserve.sched import IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES
 from jaxserve.sched.base import Cell, CostModel
 from serving.app import ServerState, create_app
 
 log = logging.getLogger("jaxserve.server")
 
-POLICIES = ("default", "arlo", "st", "dt", "infaas")
 
 
 @dataclass
@@ -100,13 +100,13 @@ def make_policy(settings: ServeSettings, runtimes: dict[str, ModelRuntime], cost
         from jaxserve.sched.batching import DeadlineBatching
 
         return DeadlineBatching(grids, cost, max_queue=settings.max_queue, max_wait=settings.max_wait_ms / 1e3)
-    if settings.policy in ("arlo", "st", "dt", "infaas"):
+    if settings.policy in TEXT_STREAM_POLICIES:
         return _arlo_family_policy(settings, runtimes, cost)
-    if settings.policy in ("otas", "pets", "tome", "vpt"):  # OTAS and its baselines, one image model
+    if settings.policy in IMAGE_POLICIES:
         from jaxserve.sched.otas import make_otas_policy
 
         return make_otas_policy(settings.policy, runtimes, cost, settings.extra.get("otas", {}))
-    raise ValueError(f"unknown policy {settings.policy!r}; known: {', '.join(POLICIES)}, otas, pets, tome, vpt")
+    raise ValueError(f"unknown policy {settings.policy!r}; known: {', '.join(SERVE_POLICIES)}")
 
 
 def _arlo_family_policy(settings: ServeSettings, runtimes: dict, cost: CostModel):

@@ -3,3 +3,8 @@
 The live engine and the simulator drive the same policy objects; see
 :mod:`jaxserve.sched.base` for the contract between them.
 """
+
+# Policies the server and the simulator can be started with (``--policy``).
+TEXT_STREAM_POLICIES = ("arlo", "st", "dt", "infaas")  # Arlo and its baselines: one text stream owns every instance
+IMAGE_POLICIES = ("otas", "pets", "tome", "vpt")  # OTAS and its baselines: one image model
+SERVE_POLICIES = ("default", *TEXT_STREAM_POLICIES, *IMAGE_POLICIES)
