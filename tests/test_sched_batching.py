@@ -155,6 +155,44 @@ def test_filler_that_would_miss_its_deadline_is_not_taken():
     assert p.queue_depth() == 1
 
 
+def _long_head_and_shorts(p, shorts=2, long_deadline=INF, short_deadline=INF):
+    """A bucket-32 request at t=0 (the most urgent queue) and ``shorts`` bucket-16 ones at t=0.125."""
+    p.on_arrival(text(0, 0.0, length=30, deadline=long_deadline), 0.0)
+    for i in range(1, shorts + 1):
+        p.on_arrival(text(i, 0.125, length=8, deadline=short_deadline), 0.125)
+
+
+def test_merges_smaller_buckets_into_a_larger_cell_when_that_costs_no_more_than_their_own_batch():
+    p = policy(max_wait=0.0)
+    _long_head_and_shorts(p, shorts=2)
+    plan = p.plan(0.125, [0])
+    # (1, 32) -> (2, 32) adds 0.25 s = L(1, 16): taken. (2, 32) -> (4, 32) would add 0.5 s
+    # for the one short left, which alone costs 0.25 s in (1, 16): not taken.
+    assert ids(plan) == [(0, 1)] and plan.batches[0].cell == Cell(2, 32)
+    assert p.queue_depth() == 1
+
+
+def test_never_merges_when_the_larger_cell_costs_more_than_the_separate_batch():
+    linear = {Cell(b, s): b * s / 64 for b in (1, 2, 4) for s in (16, 32)}  # no per-call overhead
+    p = DeadlineBatching({"bert": TEXT_GRID}, CostModel({"bert": LatencyProfile("bert", linear)}), max_wait=0.0)
+    _long_head_and_shorts(p, shorts=3)
+    plan = p.plan(0.125, [0])
+    assert ids(plan) == [(0,)] and plan.batches[0].cell == Cell(1, 32)
+    assert p.queue_depth() == 3
+
+
+@pytest.mark.parametrize("who", ["head", "donor"])
+def test_never_merges_when_the_larger_cell_would_miss_a_deadline(who):
+    p = policy(max_wait=0.0)
+    # the larger cell (2, 32) ends at 0.125 + 0.75 = 0.875
+    if who == "head":
+        _long_head_and_shorts(p, shorts=1, long_deadline=0.75)  # alone in (1, 32) it ends at 0.625
+    else:
+        _long_head_and_shorts(p, shorts=1, short_deadline=0.8)
+    plan = p.plan(0.125, [0])
+    assert ids(plan) == [(0,)] and plan.batches[0].cell == Cell(1, 32)
+
+
 def test_length_beyond_the_largest_bucket_is_refused():
     p = policy()
     with pytest.raises(ValueError):
