@@ -76,11 +76,11 @@ def main():
         for _ in range(25):
             mid = (lo * hi) ** 0.5
             arr, pick = trace_at(mid)
-            util = simulated(cost, grid, arr, pool_len[pick], 0.005).utilization()
+            util = simulated(cost, grid, arr, pool_len[pick], 0.0).utilization()
             lo, hi = (mid, hi) if util < args.load else (lo, mid)
         rate = lo
         arr, pick = trace_at(rate)
-        sim = simulated(cost, grid, arr, pool_len[pick], 0.005)
+        sim = simulated(cost, grid, arr, pool_len[pick], 0.0)  # the server default (--max-wait-ms 0)
         live = asyncio.run(open_loop(url, arr, [pool[i] for i in pick], None))  # the same texts, in order
     finally:
         stop(server)
