@@ -49,6 +49,7 @@ class LoadResult:
     duration: float
     latencies: np.ndarray  # seconds, answered 200 only
     server_ms: np.ndarray  # queue + compute reported by jaxserve (nan for the naive peer)
+    computed: list = None  # (executable shape label, its compute ms) per answered request (jaxserve only)
 
     @property
     def throughput(self) -> float:
@@ -71,44 +72,54 @@ def arrivals(kind: str, rate: float, duration: float, seed: int) -> np.ndarray:
 
 
 async def open_loop(url: str, schedule: np.ndarray, texts: list[str], slo_ms: float | None,
-                    timeout_s: float = 30.0) -> LoadResult:
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-    lat, server_ms = [], []
+                    timeout_s: float = 60.0) -> LoadResult:
+    """Send ``texts`` on ``schedule`` (seconds from start) whatever the answers (open loop).
+
+    Lean keep-alive client (:mod:`bench.httpload`); latency from each request's scheduled
+    time, so a lagging client counts against the result instead of hiding it.
+    """
+    import orjson
+
+    from bench.httpload import Pool, at
+
+    pool = Pool(url, timeout=timeout_s)
+    lat, server_ms, computed = [], [], []
     counts = {"ok": 0, "late": 0, "evicted": 0, "rejected": 0, "errors": 0}
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
-        start = time.perf_counter()
+    start = time.perf_counter()
 
-        async def one(i: int, at: float):
-            delay = at - (time.perf_counter() - start)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            body = {"input": texts[i % len(texts)]}
-            if slo_ms:
-                body["slo_ms"] = slo_ms
-            t0 = time.perf_counter()
-            try:
-                r = await client.post(TEXT_PATH, json=body)
-            except httpx.HTTPError:
-                counts["errors"] += 1
-                return
-            dt = time.perf_counter() - t0
-            if r.status_code == 429:
-                counts["rejected"] += 1
-            elif r.status_code != 200:
-                counts["errors"] += 1
-            else:
-                meta = r.json()["data"][0].get("meta")
-                outcome = meta["outcome"] if meta else "ok"
-                counts[outcome] += 1
-                if outcome != "evicted":
-                    lat.append(dt)
-                    server_ms.append(meta["queue_ms"] + meta["compute_ms"] if meta else np.nan)
+    async def one(i: int, when: float):
+        await at(start, when)
+        body = {"input": texts[i % len(texts)]}
+        if slo_ms:
+            body["slo_ms"] = slo_ms
+        try:
+            r = await pool.post(TEXT_PATH, orjson.dumps(body))
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
+            counts["errors"] += 1
+            return
+        dt = time.perf_counter() - start - when
+        if r.status == 429:
+            counts["rejected"] += 1
+        elif r.status != 200:
+            counts["errors"] += 1
+        else:
+            meta = orjson.loads(r.body)["data"][0].get("meta")
+            outcome = meta["outcome"] if meta else "ok"
+            counts[outcome] += 1
+            if outcome != "evicted":
+                lat.append(dt)
+                server_ms.append(meta["queue_ms"] + meta["compute_ms"] if meta else np.nan)
+                if meta:
+                    computed.append((meta["shape"], meta["compute_ms"]))
 
+    try:
         await asyncio.gather(*(one(i, float(t)) for i, t in enumerate(schedule)))
-        duration = time.perf_counter() - start
+    finally:
+        await pool.close()
+    duration = time.perf_counter() - start
     return LoadResult(len(schedule) / max(schedule[-1], 1e-9), len(schedule), counts["ok"], counts["late"],
                       counts["evicted"], counts["rejected"], counts["errors"], duration,
-                      np.array(lat), np.array(server_ms))
+                      np.array(lat), np.array(server_ms), computed)
 
 
 def sample_texts(n: int = 2000, seed: int = 0) -> list[str]:

@@ -115,13 +115,6 @@ def correctness_table(gammas, cache_dir: str | None, extra_models=()) -> dict:
     return out
 
 
-def scaled_cost(cost, factor: float):
-    from jaxserve.sched.base import CostModel, LatencyProfile
-
-    latency = {n: LatencyProfile(n, {c: t * factor for c, t in p.seconds.items()}) for n, p in cost.latency.items()}
-    return CostModel(latency=latency, accuracy=cost.accuracy, machine=cost.machine)
-
-
 def make_policies(cost, grid, variants=None, switch_seconds: float = 0.0) -> dict:
     from jaxserve.sched.otas import (
         FixedToMePolicy, FixedVPTPolicy, INFaaSPolicy, OTASPolicy, PetSPolicy,
@@ -274,7 +267,7 @@ def main() -> None:
     lat = measured.latency[MODEL]
     grid = ShapeGrid(tuple(sorted({c.batch for c in lat.cells()})), gammas=tuple(sorted({c.gamma for c in lat.cells()})))
     factor = (grid.max_batch / PAPER_GAMMA0_RPS) / lat.latency_for(grid.max_batch, 0, 0)
-    cost = scaled_cost(measured, factor)
+    cost = measured.scaled(factor)
     correct = correctness_table(grid.gammas, args.cache_dir)
     variants, switch, variant_correct = load_variants(Path(args.variants), factor, measured.latency[MODEL])
     all_results = {}

@@ -86,7 +86,7 @@ def cmd_serve(args) -> int:
         slo_ms=args.slo_ms, arlo_period_s=args.arlo_period_s, arlo_max_batch=args.arlo_max_batch,
         dt_penalty=args.dt_penalty, arlo_autoscale_from=args.arlo_autoscale_from,
     )
-    serve(settings, host=args.host, port=args.port)
+    serve(settings, host=args.host, port=args.port, access_log=args.access_log)
     return 0
 
 
@@ -301,9 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--policy", default="default", choices=SERVE_POLICIES,
                     help="default: deadline-aware batching; text (one model): arlo and its baselines st, dt, "
                          "infaas; images (one model): otas and its baselines pets, tome, vpt")
-    sp.add_argument("--instances", type=int, default=1)
+    sp.add_argument("--instances", type=int, default=2,
+                    help="executor workers (default 2: measured in bench/RESULTS.md, load)")
     sp.add_argument("--max-queue", type=int, default=256)
     sp.add_argument("--max-wait-ms", type=float, default=0.0)
+    sp.add_argument("--access-log", action="store_true",
+                    help="log one line per request (off by default: /metrics counts requests, and the log "
+                         "line costs the event loop under load)")
     sp.add_argument("--cost-model", default=None)
     sp.add_argument("--batch-sizes", default=None, help="e.g. 1,2,4,8 (default: 1,2,4,8,16,32)")
     sp.add_argument("--buckets", default=None, help="text buckets, e.g. 16,32,64 (default: profiled staircase)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
@@ -31,6 +33,10 @@ class _EngineCollector:
         yield g
         g = GaugeMetricFamily("jaxserve_ready", "1 once every executable is warm")
         g.add_metric([], 0 if eng is None else 1)
+        yield g
+        g = GaugeMetricFamily("jaxserve_gc_frozen_objects",
+                              "objects moved out of the cyclic GC's reach at ready (serving.server.settle_heap)")
+        g.add_metric([], gc.get_freeze_count())
         yield g
         if eng is None:
             return

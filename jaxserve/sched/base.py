@@ -139,6 +139,12 @@ class CostModel:
     accuracy: Mapping[str, AccuracyProfile] = field(default_factory=dict)
     machine: str = ""
 
+    def scaled(self, factor: float) -> "CostModel":
+        """Every latency times ``factor`` (accuracy unchanged): a profile rescaled to
+        another machine speed, or calibrated to what the executables take under load."""
+        latency = {n: LatencyProfile(n, {c: t * factor for c, t in p.seconds.items()}) for n, p in self.latency.items()}
+        return CostModel(latency=latency, accuracy=self.accuracy, machine=self.machine)
+
     def to_json(self) -> str:
         return json.dumps(
             {
