@@ -38,10 +38,10 @@ def grid_of(cost, model):
     return ShapeGrid(tuple(sorted({c.batch for c in cells})), tuple(sorted({c.seq for c in cells if c.seq})))
 
 
-def simulated(cost, grid, arrivals, lengths, max_wait):
+def simulated(cost, grid, arrivals, lengths, max_wait, noise: float = 0.0):
     trace = traces.make_trace(arrivals, model="minilm-l6", length=lengths)
     policy = DeadlineBatching({"minilm-l6": grid}, cost, max_queue=256, max_wait=max_wait)
-    return simulate(policy, trace, cost, instances=1)
+    return simulate(policy, trace, cost, instances=1, latency_noise=noise)
 
 
 def main():
@@ -89,16 +89,19 @@ def main():
         prof = cost.latency["minilm-l6"].seconds
         by_label = {c.label(): t for c, t in prof.items()}
         factor = sum(ms for _, ms in cal.computed) / 1e3 / sum(by_label[shape] for shape, _ in cal.computed)
+        # and how much one batch's time varies around that (queueing grows with service-time
+        # variance, which a deterministic profile leaves out): sigma of log(measured / profiled)
+        sigma = float(np.std(np.log([ms / 1e3 / by_label[shape] for shape, ms in cal.computed])))
         arr, pick = trace_at(rate)
         sim = simulated(cost, grid, arr, pool_len[pick], 0.0)  # the server default (--max-wait-ms 0)
-        sim_cal = simulated(cost.scaled(factor), grid, arr, pool_len[pick], 0.0)
+        sim_cal = simulated(cost.scaled(factor), grid, arr, pool_len[pick], 0.0, noise=sigma)
         live = asyncio.run(open_loop(url, arr, [pool[i] for i in pick], None))  # the same texts, in order
     finally:
         stop(server)
 
     server_ms = live.server_ms
     rows = []
-    for label, result in (("idle-machine profile", sim), (f"calibrated (x{factor:.2f})", sim_cal)):
+    for label, result in (("idle-machine profile", sim), (f"calibrated (x{factor:.2f}, sigma {sigma:.2f})", sim_cal)):
         sim_lat = result.latencies() * 1e3
         for stat, fn in (("mean", np.mean), ("p98", lambda x: np.percentile(x, 98))):
             s_val, l_val, c_val = fn(sim_lat), fn(server_ms), fn(live.latencies * 1e3)
@@ -110,8 +113,10 @@ def main():
              f"one instance, default policy. Arlo reports 4.3% (mean) and 2.6% (p98). Goal: within 10%.  \n"
              f"Calibrated: the profile's latencies times {factor:.2f}, the ratio of the compute time the server "
              f"reported to the profiled time of the same cells on a separate {args.calibrate:.0f} s calibration "
-             f"trace (another seed, same rate) just before: live, the executables share the 2 cores with the HTTP "
-             f"path and the load generator, which the idle-machine profile does not see.")
+             f"trace (another seed, same rate) just before, and each batch's time drawn with a mean-one log-normal "
+             f"factor of sigma {sigma:.2f}, the spread of log(measured / profiled) on that trace: live, the "
+             f"executables share the 2 cores with the HTTP path and the load generator, which the idle-machine "
+             f"profile does not see, and their times vary, which a deterministic profile leaves out.")
     print(text)
     print(notes)
     if args.write:

@@ -28,7 +28,6 @@ from serving.app import ServerState, create_app
 log = logging.getLogger("jaxserve.server")
 
 
-
 @dataclass
 class ServeSettings:
     models: tuple[str, ...] = ("minilm-l6", "vit-demo")
