@@ -52,10 +52,10 @@ class Pool:
                     break
                 except (asyncio.IncompleteReadError, ConnectionError) as exc:
                     conn[1].close()
-                    # the server closed an idle keep-alive connection (uvicorn: after 5 s): the
-                    # request never reached it, so send it again on a fresh connection
-                    if not (reused and isinstance(exc, asyncio.IncompleteReadError) and not exc.partial
-                            or reused and isinstance(exc, ConnectionError)):
+                    # the server closed an idle keep-alive connection (uvicorn: after 5 s) before
+                    # answering a byte: the request never reached it, so send it again on a fresh one
+                    unanswered = not isinstance(exc, asyncio.IncompleteReadError) or not exc.partial
+                    if not (reused and unanswered):
                         raise
                 except BaseException:
                     conn[1].close()

@@ -49,7 +49,7 @@ class LoadResult:
     duration: float
     latencies: np.ndarray  # seconds, answered 200 only
     server_ms: np.ndarray  # queue + compute reported by jaxserve (nan for the naive peer)
-    computed: list = None  # (executable shape label, its compute ms) per answered request (jaxserve only)
+    computed: list  # (executable shape label, its compute ms) per answered request (jaxserve only)
 
     @property
     def throughput(self) -> float:

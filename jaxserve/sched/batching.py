@@ -51,8 +51,9 @@ The rule, in full (this is the contract the tests check):
   buckets keep padding low, but on a CPU with no latency staircase (every token
   costs) they also split a moderate stream into many near-empty batches, one call
   each; this rule buys back the batching without ever adding predicted work.
-  Measured with real tweet lengths, MiniLM, one worker: see ``bench/RESULTS.md``
-  (load).
+  Measured (real tweet lengths, MiniLM, one worker, the server's profiled cost
+  model): simulated, mean and p98 latency 7-18% lower at 40-160 req/s and unchanged
+  at saturation; live, mean batch 1.7 -> 2.2 at equal latency within the noise.
 * **Evict.** A request that would miss its deadline even if it ran alone in the
   batch-1 cell of its bucket starting now (``now > deadline - L(1)``) is returned
   in ``Plan.evict``; the caller answers it "evicted". Nothing is dropped silently.
