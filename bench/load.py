@@ -48,8 +48,9 @@ class LoadResult:
     errors: int
     duration: float
     latencies: np.ndarray  # seconds, answered 200 only
-    server_ms: np.ndarray  # queue + compute reported by jaxserve (nan for the naive peer)
-    computed: list  # (executable shape label, its compute ms) per answered request (jaxserve only)
+    server_ms: np.ndarray  # arrival-to-answer latency reported by jaxserve (nan for the naive peer)
+    computed: list  # (shape label, compute ms, ms its instance was held) per answered request (jaxserve only)
+    send_lag: np.ndarray  # seconds each request left the client after its scheduled time (trace order)
 
     @property
     def throughput(self) -> float:
@@ -84,11 +85,13 @@ async def open_loop(url: str, schedule: np.ndarray, texts: list[str], slo_ms: fl
 
     pool = Pool(url, timeout=timeout_s)
     lat, server_ms, computed = [], [], []
+    send_lag = np.zeros(len(schedule))
     counts = {"ok": 0, "late": 0, "evicted": 0, "rejected": 0, "errors": 0}
     start = time.perf_counter()
 
     async def one(i: int, when: float):
         await at(start, when)
+        send_lag[i] = time.perf_counter() - start - when
         body = {"input": texts[i % len(texts)]}
         if slo_ms:
             body["slo_ms"] = slo_ms
@@ -108,9 +111,9 @@ async def open_loop(url: str, schedule: np.ndarray, texts: list[str], slo_ms: fl
             counts[outcome] += 1
             if outcome != "evicted":
                 lat.append(dt)
-                server_ms.append(meta["queue_ms"] + meta["compute_ms"] if meta else np.nan)
+                server_ms.append(meta["latency_ms"] if meta else np.nan)
                 if meta:
-                    computed.append((meta["shape"], meta["compute_ms"]))
+                    computed.append((meta["shape"], meta["compute_ms"], meta["latency_ms"] - meta["queue_ms"]))
 
     try:
         await asyncio.gather(*(one(i, float(t)) for i, t in enumerate(schedule)))
@@ -119,7 +122,7 @@ async def open_loop(url: str, schedule: np.ndarray, texts: list[str], slo_ms: fl
     duration = time.perf_counter() - start
     return LoadResult(len(schedule) / max(schedule[-1], 1e-9), len(schedule), counts["ok"], counts["late"],
                       counts["evicted"], counts["rejected"], counts["errors"], duration,
-                      np.array(lat), np.array(server_ms), computed)
+                      np.array(lat), np.array(server_ms), computed, send_lag)
 
 
 def sample_texts(n: int = 2000, seed: int = 0) -> list[str]:

@@ -209,7 +209,8 @@ def cmd_simulate(args) -> int:
     t0 = time.perf_counter()
     # DT's modelled dynamic-shape cost replaces the static cell's price
     result = simulate(policy, trace, cost, instances=args.instances,
-                      service_time=getattr(policy, "service_time", None))
+                      service_time=getattr(policy, "service_time", None), latency_noise=args.latency_noise,
+                      batch_overhead=args.batch_overhead_ms / 1e3, seed=args.seed)
     wall = time.perf_counter() - t0
     summary = result.summary()
     summary["wall_seconds"] = wall
@@ -359,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--instances", type=int, default=1)
     sp.add_argument("--max-queue", type=int, default=256)
     sp.add_argument("--max-wait-ms", type=float, default=0.0)
+    sp.add_argument("--latency-noise", type=float, default=0.0,
+                    help="sigma of a mean-one log-normal factor on each batch's time")
+    sp.add_argument("--batch-overhead-ms", type=float, default=0.0,
+                    help="time each batch holds its instance beyond compute (live: the server's "
+                         "jaxserve_batch_handoff_seconds)")
     sp.add_argument("--seed", type=int, default=0)
     sp.set_defaults(fn=cmd_simulate)
 

@@ -76,6 +76,7 @@ class Answer:
     batch_size: int = 0
     queue_ms: float = 0.0
     compute_ms: float = 0.0
+    latency_ms: float = 0.0  # arrival stamp to answer: queue + compute + hand-off back to the event loop
 
 
 @dataclass
@@ -167,8 +168,8 @@ class Engine:
             p = self._queued.pop(rid, None)
             if p is not None and not p.future.done():
                 self.stats.outcomes["evicted"] += 1
-                p.future.set_result(Answer(self._served_info(rid), "evicted",
-                                           queue_ms=(now - p.request.arrival) * 1e3))
+                waited = (now - p.request.arrival) * 1e3
+                p.future.set_result(Answer(self._served_info(rid), "evicted", queue_ms=waited, latency_ms=waited))
         for batch in plan.batches:
             self._dispatch(batch, now)
         self._arm_timer(plan.wake_at)
@@ -241,6 +242,7 @@ class Engine:
                     p.future.set_result(Answer(
                         item_out, outcome, cell=batch.cell.label(), batch_size=len(pendings),
                         queue_ms=(started - p.request.arrival) * 1e3, compute_ms=out.compute_seconds * 1e3,
+                        latency_ms=(now - p.request.arrival) * 1e3,
                     ))
         self._schedule()
 

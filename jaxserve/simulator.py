@@ -7,7 +7,13 @@ callbacks the engine makes — ``on_arrival`` / ``on_completion`` with the virtu
 ``now``, then ``plan(now, idle_instances)`` — and starts each planned batch at
 once on its instance. A batch takes ``cost_model.latency[model].latency(cell)``
 seconds, optionally times a mean-one log-normal noise, or whatever a
-caller-supplied ``service_time(batch)`` says (e.g. a dynamic-shape penalty).
+caller-supplied ``service_time(batch)`` says (e.g. a dynamic-shape penalty), plus
+``batch_overhead``: the time a live instance stays held beyond the compute itself
+(the worker thread picking the batch up, and the completion waiting for the event
+loop, which is busy with HTTP). The server reports it per batch as
+``jaxserve_batch_handoff_seconds`` and per answer as ``latency_ms - queue_ms -
+compute_ms``; ``bench/fidelity.py`` measures it on a calibration trace. The policy
+does not see it, live or simulated: its cost model prices compute only.
 
 Simultaneous events run completions first (they free instances), then arrivals
 in trace order, then the wake-up; ``plan`` is called after each one.
@@ -174,6 +180,7 @@ def simulate(
     *,
     service_time: Callable[[Batch], float] | None = None,
     latency_noise: float = 0.0,
+    batch_overhead: float = 0.0,
     seed: int | np.random.Generator | None = 0,
     max_queue: float = math.inf,
 ) -> SimResult:
@@ -187,6 +194,8 @@ def simulate(
         instances: instance ids are ``0 .. instances-1``; each runs one batch at a time.
         service_time: overrides the cost model's price of a batch.
         latency_noise: sigma of a mean-one log-normal factor on each batch's time.
+        batch_overhead: seconds added to every batch's time after the noise (the
+            live hand-off; see the module docstring).
         seed: for the noise.
         max_queue: admission bound used only if the policy has no ``admits(model)``.
     """
@@ -225,6 +234,8 @@ def simulate(
     rng = np.random.default_rng(seed)
     if latency_noise < 0:
         raise ValueError("latency_noise must be >= 0")
+    if batch_overhead < 0:
+        raise ValueError("batch_overhead must be >= 0")
 
     admits = getattr(policy, "admits", None)
     on_arrival = policy.on_arrival
@@ -298,7 +309,7 @@ def simulate(
                 if not noise:
                     noise = rng.lognormal(-0.5 * latency_noise**2, latency_noise, 4096).tolist()
                 t *= noise.pop()
-            done = now + t
+            done = now + t + batch_overhead
             batches.append(batch)
             batch_start.append(now)
             batch_finish.append(done)

@@ -123,7 +123,7 @@ def _meta(a: Answer) -> dict:
     gamma = a.outputs.get("gamma")
     otype = a.outputs.get("outcome_type")
     return {"shape": a.cell, "batch_size": a.batch_size, "queue_ms": round(a.queue_ms, 3),
-            "compute_ms": round(a.compute_ms, 3), "outcome": a.outcome,
+            "compute_ms": round(a.compute_ms, 3), "latency_ms": round(a.latency_ms, 3), "outcome": a.outcome,
             "gamma": None if gamma is None else int(gamma), "outcome_type": None if otype is None else int(otype)}
 
 
@@ -232,7 +232,7 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Fas
         results = await asyncio.gather(*futures, return_exceptions=True)
         for item, r in zip(items, results):
             if isinstance(r, Answer):
-                metrics.observe_answer(item.model, r.outcome, (r.queue_ms + r.compute_ms) / 1e3,
+                metrics.observe_answer(item.model, r.outcome, r.latency_ms / 1e3,
                                        item.slo_ms is not None)
         for r in results:
             if isinstance(r, ExecutionFailed):

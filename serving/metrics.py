@@ -72,6 +72,11 @@ class Metrics:
                                  buckets=(1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0), registry=r)
         self.exec_latency = Histogram("jaxserve_executable_latency_seconds", "compute time per executable",
                                       ["model", "shape"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.handoff = Histogram("jaxserve_batch_handoff_seconds",
+                                 "per batch, how long its instance was held beyond the compute: worker pick-up "
+                                 "and the completion's wait for the event loop (the simulator's batch_overhead)",
+                                 ["model"], buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                                                     0.05, 0.1), registry=r)
         self.item_latency = Histogram("jaxserve_item_latency_seconds", "arrival to answer, per item",
                                       ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.slo = Counter("jaxserve_slo_items", "items that carried an SLO, by outcome", ["outcome"], registry=r)
@@ -87,6 +92,7 @@ class Metrics:
         model = batch.model
         self.batch_size.labels(model).observe(len(pendings))
         self.exec_latency.labels(model, batch.cell.label()).observe(output.compute_seconds)
+        self.handoff.labels(model).observe(max(0.0, seconds - output.compute_seconds))
         if batch.cell.seq:
             real = sum(p.request.length for p in pendings)
             self.padding.labels(model).observe(batch.cell.seq * batch.cell.batch / max(real, 1))

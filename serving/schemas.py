@@ -66,6 +66,7 @@ class Meta(BaseModel):
     batch_size: int
     queue_ms: float
     compute_ms: float
+    latency_ms: float  # server-side: arrival to answer (queue + compute + worker hand-off); HTTP excluded
     outcome: str  # ok | late | evicted
     gamma: int | None = None
     outcome_type: int | None = None

@@ -36,3 +36,7 @@ def test_simulate_replays_a_trace_file(tmp_path):
     assert summary["requests"] == 300
     assert summary["ok"] + summary["late"] + summary["evicted"] + summary["rejected"] == 300
     assert summary["slo_attainment"] > 0.9
+    # the live hand-off, modelled: every batch holds its instance 2 ms longer
+    held = json.loads(run("simulate", "--cost-model", str(tmp_path / "cost.json"), "--trace", str(trace),
+                          "--batch-overhead-ms", "2", "--latency-noise", "0.1").stdout)
+    assert held["mean_latency"] > summary["mean_latency"] + 0.002

@@ -99,6 +99,7 @@ def test_single_string_input_and_metadata(client):
     meta = r.json()["data"][0]["meta"]
     assert meta["shape"] in ("b1_s16_g0", "b4_s16_g0")
     assert meta["compute_ms"] > 0 and meta["queue_ms"] >= 0 and meta["batch_size"] >= 1
+    assert meta["latency_ms"] >= meta["queue_ms"] + meta["compute_ms"] - 0.002  # rounded to 1 us each
 
 
 def test_classify_text_sentiment(client):
@@ -226,7 +227,8 @@ def test_metrics_expose_the_operational_series(client):
     m = client.get("/metrics").text
     for series in ("jaxserve_requests_total", "jaxserve_queue_depth", "jaxserve_batch_size_bucket",
                    "jaxserve_padding_ratio_bucket", "jaxserve_executable_latency_seconds_bucket",
-                   "jaxserve_slo_attainment", "jaxserve_compilations ", "jaxserve_items"):
+                   "jaxserve_slo_attainment", "jaxserve_compilations ", "jaxserve_items",
+                   "jaxserve_batch_handoff_seconds_bucket"):
         assert series in m, series
     # the warm heap was frozen out of the cyclic GC's reach at ready (serving.server.settle_heap)
     frozen = [float(line.split()[-1]) for line in m.splitlines() if line.startswith("jaxserve_gc_frozen_objects ")]

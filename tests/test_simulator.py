@@ -133,6 +133,23 @@ def test_low_load_latency_is_service_time_plus_max_wait():
     assert r.slo_attainment() == 1.0
 
 
+def test_batch_overhead_holds_the_instance_and_counts_in_latency():
+    grid = {"vit": ShapeGrid((1, 2, 4, 8))}
+    cost = CostModel({"vit": LatencyProfile("vit", {Cell(1): 0.01, Cell(2): 0.012, Cell(4): 0.015, Cell(8): 0.02})})
+    low = make_trace(poisson_arrivals(1.0, n=2000, seed=0), model="vit", slo_s=1.0)
+    r = simulate(DeadlineBatching(grid, cost, max_wait=0.0), low, cost, instances=2, batch_overhead=0.003)
+    assert r.mean_latency() == pytest.approx(0.013, rel=0.01)
+    assert np.allclose(r.batch_finish - r.batch_start, 0.013)
+    # under load the instance is held for the overhead too, so queues grow more than the overhead itself
+    busy = make_trace(poisson_arrivals(60.0, n=4000, seed=1), model="vit", slo_s=1.0)
+    base = simulate(DeadlineBatching(grid, cost, max_wait=0.0), busy, cost, instances=1)
+    held = simulate(DeadlineBatching(grid, cost, max_wait=0.0), busy, cost, instances=1, batch_overhead=0.003)
+    assert held.utilization() > base.utilization()
+    assert held.mean_latency() - base.mean_latency() > 0.003
+    with pytest.raises(ValueError, match="batch_overhead"):
+        simulate(DeadlineBatching(grid, cost), low, cost, instances=1, batch_overhead=-1.0)
+
+
 def test_same_inputs_same_result_and_noise_is_mean_one():
     grids, cost = _text_setup()
     n = 3000
