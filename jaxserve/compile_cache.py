@@ -9,8 +9,8 @@ Layout of a cache directory (``compiled_cache/`` by default)::
 
 The key hashes everything that could make a stored executable wrong for this process:
 model name and config hash, the cell, the function variant, the abstract shapes of
-every argument, jax/jaxlib versions, the backend and device kind, ``XLA_FLAGS`` and
-the jax config flags that change lowering. Change any of them and the key changes, so
+every argument, a hash of jaxserve's model and polymorph sources, jax/jaxlib versions,
+the backend and device kind, ``XLA_FLAGS`` and the jax config flags that change lowering. Change any of them and the key changes, so
 a stale entry can never load; it is simply a miss.
 
 A payload whose size or sha256 does not match its sidecar is reported, deleted and
@@ -22,6 +22,7 @@ write.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -44,10 +45,32 @@ _LOWERING_FLAGS = (
 )
 
 
+# The code that builds what a polymorph compiles (models, the per-cell functions, padding).
+# A jaxserve upgrade that changes any of it must not load executables an older one wrote.
+_PROGRAM_SOURCES = ("models", "servables.py", "polymorph.py")
+
+
+@functools.cache
+def program_fingerprint(root: Path | None = None) -> str:
+    """sha256 over jaxserve's sources that decide the compiled programs (a conservative
+    proxy for the lowered program: hashing the StableHLO would mean tracing every cell at
+    load time, which the serialized fast path exists to skip). ``root``: a jaxserve
+    package directory (default: this one)."""
+    root = Path(root) if root is not None else Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for name in _PROGRAM_SOURCES:
+        path = root / name
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def environment_fingerprint() -> dict[str, str]:
-    """What besides the program decides the compiled code: versions, backend, flags."""
+    """What decides the compiled code besides the model, cell and argument shapes:
+    jaxserve's program sources, versions, backend, flags."""
     device = jax.devices()[0]
     fp = {
+        "program": program_fingerprint(),
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
         "platform": device.platform,

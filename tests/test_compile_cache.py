@@ -58,7 +58,7 @@ def test_one_executable_serves_every_checkpoint_of_a_config(cache_dir):
 
 @pytest.mark.parametrize(
     "change",
-    ["jax", "jaxlib", "xla_flags", "device_kind", "jax_default_matmul_precision"],
+    ["program", "jax", "jaxlib", "xla_flags", "device_kind", "jax_default_matmul_precision"],
 )
 def test_other_versions_or_flags_never_load_a_stale_entry(cache_dir, monkeypatch, change):
     table, _ = _table(CompileCache(cache_dir, use_xla_cache=False))
@@ -76,6 +76,21 @@ def test_other_versions_or_flags_never_load_a_stale_entry(cache_dir, monkeypatch
     assert new_key != stored_key and parts["env"][change].endswith("-other")
     assert table.cache.load(new_key, *table._trees(cell)) is None
     assert table.cache.load(stored_key, *table._trees(cell)) is not None
+
+
+def test_program_fingerprint_follows_the_model_sources(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    pkg = tmp_path / "jaxserve"
+    shutil.copytree(Path(cc.__file__).parent, pkg, ignore=shutil.ignore_patterns("__pycache__", "assets", "profiles"))
+    assert cc.program_fingerprint(pkg) == cc.program_fingerprint()
+    (pkg / "cli.py").write_text("# not part of any compiled program\n")
+    assert cc.program_fingerprint(pkg) == cc.program_fingerprint()
+    attn = pkg / "models" / "attention.py"
+    attn.write_text(attn.read_text() + "\n# changed\n")
+    cc.program_fingerprint.cache_clear()
+    assert cc.program_fingerprint(pkg) != cc.program_fingerprint()
 
 
 def test_other_config_or_shape_never_loads_a_stale_entry(cache_dir):

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.models.attention import attention
+
 
 @dataclass(frozen=True)
 class BertConfig:
@@ -98,16 +100,7 @@ class BertLayer(nnx.Module):
         # 1/sqrt(dh) is applied to q: a pass over [B, S, D] instead of over [B, H, S, S].
         q = qkv[:, :, 0] * float(1.0 / np.sqrt(dh))
         k, v = qkv[:, :, 1], qkv[:, :, 2]
-        # Scores are laid out [B, H, key, query], so the softmax reduces over a non-minor
-        # axis, vectorised across queries. With the usual [B, H, query, key] every row is a
-        # 32..256-wide minor-axis reduce, and XLA:CPU's attention fusion took ~3x longer
-        # at S=256 (per-thunk profile: `python bench/peer.py --profile minilm:8x256`).
-        scores = jnp.einsum("bkhd,bqhd->bhkq", k, q) + key_bias[:, None, :, None]
-        e = jnp.exp(scores - scores.max(axis=2, keepdims=True))
-        # Softmax normalisation after the PV matmul: a divide over [B, S, H, dh] instead of
-        # a multiply over [B, H, S, S] (the same division the softmax would do, moved).
-        denom = jnp.transpose(e.sum(axis=2), (0, 2, 1))[..., None]  # [B, query, H, 1]
-        ctx = jnp.einsum("bhkq,bkhd->bqhd", e, v) / denom
+        ctx = attention(q, k, v, key_bias)  # layout and CPU choices: jaxserve.models.attention
         x = self.attn_norm(x + self.attn_out(ctx.reshape(b, s, d)))
         y = self.mlp_out(gelu_exact(self.mlp_in(x)))
         return self.mlp_norm(x + y)

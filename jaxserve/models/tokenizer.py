@@ -13,6 +13,9 @@ from typing import Sequence
 from tokenizers import Tokenizer
 
 
+_SEQUENTIAL_BELOW = 16
+
+
 class TextTokenizer:
     def __init__(self, tokenizer_json: str | Path):
         self._tok = Tokenizer.from_file(str(tokenizer_json))
@@ -23,6 +26,12 @@ class TextTokenizer:
         self.pad_id = self._tok.token_to_id("[PAD]") or 0
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids per text. A few texts (a serving request) are encoded one by one on the
+        calling thread: ``encode_batch`` hands even one text to the library's worker pool,
+        and under load, with XLA's threads on the same cores, that hand-off took ~0.5 ms
+        per request on the event loop (py-spy) against ~30 us for the encoding itself."""
+        if len(texts) <= _SEQUENTIAL_BELOW:
+            return [self._tok.encode(t).ids for t in texts]
         return [e.ids for e in self._tok.encode_batch(list(texts))]
 
     def truncate(self, ids: Sequence[int], max_tokens: int) -> list[int]:

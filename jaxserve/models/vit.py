@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.models.attention import attention
 from jaxserve.models.tome import bipartite_soft_matching, clamp_merge_r, merge_wavg
 
 
@@ -116,12 +117,9 @@ class Attention(nnx.Module):
         batch, tokens, hidden = x.shape
         head_dim = hidden // self.num_heads
         qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, head_dim)  # timm's qkv packing
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * head_dim**-0.5
-        if size is not None:  # proportional attention: a merged key counts for the tokens it stands for
-            logits = logits + jnp.log(size)[:, None, None, :]
-        weights = jax.nn.softmax(logits, axis=-1)
-        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, tokens, hidden)
+        q, k, v = qkv[:, :, 0] * float(head_dim**-0.5), qkv[:, :, 1], qkv[:, :, 2]
+        # proportional attention: a merged key counts for the tokens it stands for (log size)
+        out = attention(q, k, v, None if size is None else jnp.log(size)).reshape(batch, tokens, hidden)
         return self.proj(out), k.mean(axis=2)
 
 

@@ -1,0 +1,35 @@
+"""Multi-head attention core shared by BERT and ViT: softmax(q kᵀ + key_bias) v.
+
+Laid out for XLA:CPU, where attention (not the dense layers) is what falls behind at
+long sequences (per-thunk profile: ``python bench/peer.py --profile minilm:8x256``):
+
+- Scores are [B, H, key, query], so the softmax reduces over a non-minor axis,
+  vectorised across queries. With the usual [B, H, query, key] every row is a
+  32..256-wide minor-axis reduce, and XLA:CPU's fusion took ~3x longer at S=256
+  (attention alone, ViT's former textbook form included: 10-35% slower at 8-32 × 128-256).
+- The softmax's division comes after the PV matmul: a divide over [B, S, H, dh] instead
+  of a multiply over [B, H, S, S] (the same division, moved).
+
+Tried and dropped (measured): running the batch rows one at a time (``lax.map``) once
+the batch's scores outgrow the cache. On attention alone it cut 26-53% at 32×128,
+32×256 and 4-8×512, but inside the whole encoder (MiniLM 8×256, 32×128, 32×256;
+BERT-base 32×128, 32×256) it changed nothing (0.99-1.02×), so the simpler form stays.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["attention"]
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array | None = None) -> jax.Array:
+    """q, k, v: [B, S, H, dh] (q already scaled); key_bias: [B, S] added to every query's
+    score for that key (padding mask, ToMe's log-size), or None. Returns [B, S, H, dh]."""
+    scores = jnp.einsum("bkhd,bqhd->bhkq", k, q)
+    if key_bias is not None:
+        scores = scores + key_bias[:, None, :, None]
+    e = jnp.exp(scores - scores.max(axis=2, keepdims=True))
+    denom = jnp.transpose(e.sum(axis=2), (0, 2, 1))[..., None]  # [B, query, H, 1]
+    return jnp.einsum("bhkq,bkhd->bqhd", e, v) / denom
