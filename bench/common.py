@@ -37,21 +37,33 @@ def _invocation() -> list[str]:
     return sys.argv
 
 
-def record(key: str, title: str, body: str, notes: str = "") -> None:
-    """Replace (or append) the ``key`` section of bench/RESULTS.md."""
+def section(key: str, title: str, body: str, notes: str = "", machine_text: str | None = None) -> str:
+    """One RESULTS.md section, stamped with the machine, the date and this command."""
     command = "python " + " ".join(shlex.quote(a) for a in _invocation())
     stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
-    section = (f"<!-- bench:{key} -->\n## {title}\n\n"
-               f"*Machine:* {machine()}  \n*Date:* {stamp}  \n*Command:* `{command}`\n\n"
-               f"{body}\n\n{notes}\n<!-- /bench:{key} -->")
+    return (f"<!-- bench:{key} -->\n## {title}\n\n"
+            f"*Machine:* {machine_text or machine()}  \n*Date:* {stamp}  \n*Command:* `{command}`\n\n"
+            f"{body}\n\n{notes}\n<!-- /bench:{key} -->")
+
+
+def record(key: str, title: str, body: str, notes: str = "") -> None:
+    """Replace (or append) the ``key`` section of bench/RESULTS.md."""
+    splice(section(key, title, body, notes))
+
+
+def splice(section_text: str) -> None:
+    """Put a section made by :func:`section` (here or on another machine) into RESULTS.md,
+    replacing the one with the same key."""
+    key = section_text.split("<!-- bench:", 1)[1].split(" -->", 1)[0]
+    new = section_text.strip()
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\nEach section is rewritten by the script named in it.\n"
     start, end = f"<!-- bench:{key} -->", f"<!-- /bench:{key} -->"
     if start in text and end in text:
         head, rest = text.split(start, 1)
         _, tail = rest.split(end, 1)
-        text = head + section + tail
+        text = head + new + tail
     else:
-        text = text.rstrip() + "\n\n" + section + "\n"
+        text = text.rstrip() + "\n\n" + new + "\n"
     RESULTS.write_text(text)
 
 
@@ -67,3 +79,28 @@ def save_plot(fig, ax, path: Path, legend_size=None, dpi: int = 120) -> Path:
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
+
+
+def bert_flops(cfg, b: int, s: int) -> float:
+    """Analytic BERT forward FLOPs: per layer 2BS(4d^2 + 2 d d_ff) for the matmuls + 4BS^2 d for attention."""
+    d, ff = cfg.hidden_size, cfg.intermediate_size
+    return cfg.num_layers * (2 * b * s * (4 * d * d + 2 * d * ff) + 4 * b * s * s * d)
+
+
+def bert_inputs(cfg, b: int, s: int, seed: int = 0):
+    """Random real tokens for a (b, s) cell; the last row is half padding so the key mask is exercised."""
+    import numpy as np
+
+    rs = np.random.RandomState(seed + 1000 * b + s)
+    ids = rs.randint(1000, cfg.vocab_size, size=(b, s)).astype(np.int32)
+    ids[:, 0] = 101
+    mask = np.ones((b, s), np.int32)
+    mask[-1, s // 2 :] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+if __name__ == "__main__":  # python -m bench.common splice FILE: a section written on another machine
+    if len(sys.argv) != 3 or sys.argv[1] != "splice":
+        sys.exit("usage: python -m bench.common splice SECTION_FILE")
+    splice(Path(sys.argv[2]).read_text())

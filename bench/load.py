@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import httpx
@@ -51,6 +52,7 @@ class LoadResult:
     server_ms: np.ndarray  # arrival-to-answer latency reported by jaxserve (nan for the naive peer)
     computed: list  # (shape label, compute ms, ms its instance was held) per answered request (jaxserve only)
     send_lag: np.ndarray  # seconds each request left the client after its scheduled time (trace order)
+    error_kinds: Counter  # what each error was (exception or HTTP status), counted
 
     @property
     def throughput(self) -> float:
@@ -86,6 +88,7 @@ async def open_loop(url: str, schedule: np.ndarray, texts: list[str], slo_ms: fl
     pool = Pool(url, timeout=timeout_s)
     lat, server_ms, computed = [], [], []
     send_lag = np.zeros(len(schedule))
+    error_kinds = Counter()
     counts = {"ok": 0, "late": 0, "evicted": 0, "rejected": 0, "errors": 0}
     start = time.perf_counter()
 
@@ -97,14 +100,16 @@ async def open_loop(url: str, schedule: np.ndarray, texts: list[str], slo_ms: fl
             body["slo_ms"] = slo_ms
         try:
             r = await pool.post(TEXT_PATH, orjson.dumps(body))
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
             counts["errors"] += 1
+            error_kinds[f"{type(exc).__name__}: {exc}"[:120]] += 1
             return
         dt = time.perf_counter() - start - when
         if r.status == 429:
             counts["rejected"] += 1
         elif r.status != 200:
             counts["errors"] += 1
+            error_kinds[f"HTTP {r.status}: {r.body[:100]!r}"] += 1
         else:
             meta = orjson.loads(r.body)["data"][0].get("meta")
             outcome = meta["outcome"] if meta else "ok"
@@ -122,7 +127,7 @@ async def open_loop(url: str, schedule: np.ndarray, texts: list[str], slo_ms: fl
     duration = time.perf_counter() - start
     return LoadResult(len(schedule) / max(schedule[-1], 1e-9), len(schedule), counts["ok"], counts["late"],
                       counts["evicted"], counts["rejected"], counts["errors"], duration,
-                      np.array(lat), np.array(server_ms), computed, send_lag)
+                      np.array(lat), np.array(server_ms), computed, send_lag, error_kinds)
 
 
 def sample_texts(n: int = 2000, seed: int = 0) -> list[str]:
@@ -137,8 +142,11 @@ def wait_ready(url: str, timeout_s: float = 900) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+            r = httpx.get(url + "/readyz", timeout=2)
+            if r.status_code == 200:
                 return
+            if "warmup failed" in r.text:  # the server stays up to say why; no point waiting
+                raise RuntimeError(f"{url}: {r.text}")
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
@@ -218,7 +226,8 @@ def sweep(url: str, rates: list[float], duration: float, slo_ms: float, kind: st
         r = asyncio.run(open_loop(url, schedule, texts, slo_ms))
         results.append(r)
         print(f"  {kind} {rate:7.1f}/s  thr {r.throughput:7.1f}/s  p50 {r.pct(50):7.1f}  p98 {r.pct(98):7.1f}  "
-              f"att {r.attainment(slo_ms):.3f}  429 {r.rejected}  evicted {r.evicted}  err {r.errors}", flush=True)
+              f"att {r.attainment(slo_ms):.3f}  429 {r.rejected}  evicted {r.evicted}  err {r.errors}"
+              + (f" {dict(r.error_kinds)}" if r.errors else ""), flush=True)
         if r.attainment(slo_ms) < 0.5:
             break  # far past the knee: stop loading the machine
     return results
@@ -247,6 +256,7 @@ def main():
     url = f"http://127.0.0.1:{args.port}"
     py = sys.executable
     rows, knees = [], {}
+    error_kinds = Counter()
 
     overhead = overhead_httpx = float("nan")
     for n, instances in enumerate(instance_counts):
@@ -263,6 +273,7 @@ def main():
                 res = sweep(url, rates, args.duration, args.slo_ms, kind, texts, args.seed)
                 knees[(label, kind)] = knee(res, args.slo_ms)
                 for r in res:
+                    error_kinds.update({f"{label}: {k}": v for k, v in r.error_kinds.items()})
                     rows.append([label, kind, f"{r.offered:.0f}", f"{r.throughput:.1f}", f"{r.pct(50):.1f}",
                                  f"{r.pct(98):.1f}", f"{r.pct(99):.1f}", f"{r.attainment(args.slo_ms):.3f}",
                                  str(r.rejected), str(r.evicted), str(r.errors)])
@@ -275,6 +286,7 @@ def main():
         res = sweep(f"http://127.0.0.1:{args.port + 1}", rates, args.duration, args.slo_ms, "poisson", texts, args.seed)
         knees[("naive", "poisson")] = knee(res, args.slo_ms)
         for r in res:
+            error_kinds.update({f"naive: {k}": v for k, v in r.error_kinds.items()})
             rows.append(["naive FastAPI + jit", "poisson", f"{r.offered:.0f}", f"{r.throughput:.1f}",
                          f"{r.pct(50):.1f}", f"{r.pct(98):.1f}", f"{r.pct(99):.1f}",
                          f"{r.attainment(args.slo_ms):.3f}", str(r.rejected), str(r.evicted), str(r.errors)])
@@ -303,7 +315,9 @@ def main():
              f"minus engine queue+compute, stdlib http.client keep-alive client): **{overhead:.2f} ms** (goal ≤ 2 ms; "
              f"with an httpx client {overhead_httpx:.2f} ms).  \nKnee = the highest "
              f"throughput whose p98 ≤ SLO with ≥ 99% answered on time (goal: jaxserve ≥ 3× the naive peer):  \n"
-             + "  \n".join(knee_lines))
+             + "  \n".join(knee_lines)
+             + "  \nErrors (client-side exceptions or statuses other than 200/429): "
+             + ("; ".join(f"{k} ×{v}" for k, v in error_kinds.most_common()) or "none"))
     print(text)
     print(notes)
     if args.write:

@@ -82,6 +82,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from bench.common import bert_flops, bert_inputs  # noqa: E402
 from jaxserve.models.bert import BERT_CONFIGS, BertConfig, export_hf_bert, init_bert, load_hf_bert, pool  # noqa: E402
 from jaxserve.polymorph import PolymorphTable  # noqa: E402
 from jaxserve.registry import minilm_dir  # noqa: E402
@@ -90,12 +91,6 @@ from jaxserve.servables import bert_servable, weights_of  # noqa: E402
 
 
 # ----------------------------------------------------------------------- model side
-
-def flops(cfg: BertConfig, b: int, s: int) -> float:
-    """Analytic forward FLOPs: per layer 2BS(4d^2 + 2 d d_ff) for the matmuls + 4BS^2 d for attention."""
-    d, ff = cfg.hidden_size, cfg.intermediate_size
-    return cfg.num_layers * (2 * b * s * (4 * d * d + 2 * d * ff) + 4 * b * s * s * d)
-
 
 def naive_layer(layer, x, key_bias):
     """The BertLayer forward as it was before this benchmark (kept here as the baseline)."""
@@ -123,17 +118,6 @@ def make_naive_encode(graphdef):
         return pool(x, attention_mask)
 
     return encode
-
-
-def make_inputs(cfg: BertConfig, b: int, s: int, seed: int = 0):
-    """Random real tokens; the last row is half padding so the key mask is exercised."""
-    rs = np.random.RandomState(seed + 1000 * b + s)
-    ids = rs.randint(1000, cfg.vocab_size, size=(b, s)).astype(np.int32)
-    ids[:, 0] = 101
-    mask = np.ones((b, s), np.int32)
-    mask[-1, s // 2 :] = 0
-    ids[mask == 0] = 0
-    return ids, mask
 
 
 def load_model(name: str, tmp: Path):
@@ -265,7 +249,7 @@ def run_grid(args, worker: TorchWorker, models: list[str], batches, lengths, tmp
         if "init" not in info:
             # one-time process costs (backend start, importing inductor, first C++ build)
             # land here, not on the first cell of the table
-            ids, mask = make_inputs(cfg, 1, 8)
+            ids, mask = bert_inputs(cfg, 1, 8)
             t0 = time.perf_counter()
             gd, st = nnx.split(model)
             jax.block_until_ready(jax.jit(make_naive_encode(gd)).lower(st, ids, mask).compile()(st, ids, mask))
@@ -281,8 +265,8 @@ def run_grid(args, worker: TorchWorker, models: list[str], batches, lengths, tmp
         for b in batches:
             for s in lengths:
                 cell = Cell(b, s)
-                res = CellResult(name, b, s, flops(cfg, b, s))
-                ids, mask = make_inputs(cfg, b, s)
+                res = CellResult(name, b, s, bert_flops(cfg, b, s))
+                ids, mask = bert_inputs(cfg, b, s)
                 # ---- first results (per-shape compile) ----
                 t0 = time.perf_counter()
                 row = table.warm_cell(cell)
@@ -482,7 +466,7 @@ def profile(spec: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         cfg, model, _ = load_model(name, Path(tmp))
     graphdef, state = nnx.split(model)
-    ids, mask = make_inputs(cfg, b, s)
+    ids, mask = bert_inputs(cfg, b, s)
     from jaxserve.models.bert import make_encode_fn
 
     out = [f"# per-thunk profile: {name} B={b} S={s}, {CORES} cores, jax {jax.__version__}\n"]

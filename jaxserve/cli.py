@@ -30,7 +30,7 @@ def cmd_warmup(args) -> int:
     from serving.server import ServeSettings, load_runtimes
 
     t0 = time.perf_counter()
-    cache = CompileCache(args.cache_dir)
+    cache = CompileCache(args.cache_dir, rebuild_serialized=True)  # the deploy job fills the fast path
     settings = ServeSettings(models=_models(args), cache_dir=args.cache_dir)
     runtimes = load_runtimes(settings, cache)
     for name, rt in runtimes.items():

@@ -22,6 +22,7 @@ write.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -97,7 +98,8 @@ class ManifestRow:
     jaxlib: str
     xla_flags: str
     compile_seconds: float
-    source: str  # "serialized" (fast path), "compiled" (miss), or "rebuilt" (corrupt entry replaced)
+    source: str  # "serialized" (fast path), "compiled" (miss), "rebuilt" (corrupt entry replaced),
+    #              or "xla-cache" (loaded from XLA's persistent cache; not re-serialized: see CompileCache)
 
 
 _compile_counter = {"backend_compiles": 0, "seconds": 0.0, "xla_cache_hits": 0}
@@ -161,14 +163,36 @@ def _write_owner_only(path: Path, data: bytes) -> None:
 
 
 class CompileCache:
-    """Serialized executables keyed by :func:`entry_key`, plus the XLA persistent cache."""
+    """Serialized executables keyed by :func:`entry_key`, plus the XLA persistent cache.
 
-    def __init__(self, root: str | Path, use_xla_cache: bool = True):
+    Never serialize a program this process has loaded from XLA's persistent cache. On
+    jax 0.10's CPU backend, once a process has loaded program P from that cache, any
+    executable of P it serializes (that one, or even a fresh compile of P afterwards)
+    is written without its kernels: the next process that loads it fails at run time
+    with ``NOT_FOUND: Function <fusion> not found`` (reproduced in
+    tests/test_compile_cache.py). It happens whenever serialized entries are missing
+    while the XLA cache still holds the programs: a jaxserve upgrade that changes the
+    keys, a corrupt entry rebuilt, an ``executables/`` folder removed. So:
+
+    - by default (the server starting) a cell that came from the XLA cache stays
+      unserialized: ready quickly and correct; its manifest row says ``xla-cache``;
+    - with ``rebuild_serialized`` (the ``jaxserve warmup`` job, whose purpose is to fill
+      the cache before a deploy) and a non-empty XLA cache, a missing cell is compiled
+      with the persistent cache bypassed *before* anything loads it, serialized, and then
+      compiled through the XLA cache as well (a hit is a cheap read; a miss writes the
+      entry). With an empty XLA cache at start nothing can hit, so one compile does both.
+    """
+
+    def __init__(self, root: str | Path, use_xla_cache: bool = True, rebuild_serialized: bool = False):
         self.root = _owner_only_dir(Path(root))
         self.exe_dir = _owner_only_dir(self.root / "executables")
         self.events: list[str] = []  # human-readable reports of corrupt entries
+        xla_dir = self.root / "xla"
+        # compile a missing cell afresh (bypassing the XLA cache) so it can be serialized: only
+        # asked for by the warmup job, and only needed when the XLA cache could answer it
+        self.compile_fresh = rebuild_serialized and use_xla_cache and xla_dir.is_dir() and any(xla_dir.iterdir())
         if use_xla_cache:
-            enable_xla_cache(self.root / "xla")
+            enable_xla_cache(xla_dir)
 
     def _paths(self, key: str) -> tuple[Path, Path]:
         return self.exe_dir / f"{key}.bin", self.exe_dir / f"{key}.json"
@@ -243,6 +267,22 @@ def enable_xla_cache(path: str | Path) -> None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+@contextlib.contextmanager
+def xla_cache_bypassed():
+    """Compile with no persistent-cache reads or writes inside the block. The setting is
+    process-wide, so use it only where nothing else compiles meanwhile (warmup)."""
+    from jax.experimental.compilation_cache.compilation_cache import reset_cache
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        reset_cache()
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:

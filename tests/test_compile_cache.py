@@ -147,14 +147,29 @@ def test_cache_is_owner_only(cache_dir):
 _XLA_CHILD = """
 import json, sys
 from jaxserve.compile_cache import CompileCache, compile_count, xla_cache_hits
-from jaxserve.models.bert import BERT_CONFIGS
-from jaxserve.polymorph import PolymorphTable
-from jaxserve.sched.base import ShapeGrid
-from jaxserve.servables import bert_servable
-cache = CompileCache(sys.argv[1])
-PolymorphTable(bert_servable("tiny", BERT_CONFIGS["bert-tiny-test"], ShapeGrid((1, 2), (16,))), cache).warmup()
-print(json.dumps({"compiles": compile_count(), "hits": xla_cache_hits()}))
+from jaxserve.models.bert import BERT_CONFIGS, init_bert
+from jaxserve.polymorph import PolymorphTable, pad_token_batch
+from jaxserve.sched.base import Cell, ShapeGrid
+from jaxserve.servables import bert_servable, weights_of
+cfg = BERT_CONFIGS["bert-tiny-test"]
+cache = CompileCache(sys.argv[1], rebuild_serialized=sys.argv[2:] == ["rebuild"])
+table = PolymorphTable(bert_servable("tiny", cfg, ShapeGrid((1, 2), (16,))), cache)
+rows = table.warmup()
+counts = {"compiles": compile_count(), "hits": xla_cache_hits()}  # the grid's, before anything else runs
+w = weights_of(init_bert(cfg, seed=3))
+emb = [table.run(c, w, *pad_token_batch([[101, 7, 8, 102]] * c.batch, c))["embedding"][0].tolist()
+       for c in (Cell(1, 16), Cell(2, 16))]
+print(json.dumps({**counts, "sources": [r.source for r in rows], "emb": emb}))
 """
+
+
+def _child(path, *extra):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _XLA_CHILD, str(path), *extra], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_xla_cache_still_hits_after_the_cache_directory_is_moved(tmp_path):
@@ -165,16 +180,30 @@ def test_xla_cache_still_hits_after_the_cache_directory_is_moved(tmp_path):
     directory's path into every key and make all of them miss.
     """
     import shutil
-    import subprocess
-    import sys
 
-    def run(path):
-        out = subprocess.run([sys.executable, "-c", _XLA_CHILD, str(path)], capture_output=True, text=True,
-                             check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    first = run(tmp_path / "built")
+    first = _child(tmp_path / "built")
     assert first["hits"] == 0 and first["compiles"] == 2
     shutil.copytree(tmp_path / "built", tmp_path / "shipped")
     shutil.rmtree(tmp_path / "shipped" / "executables")  # force the XLA-cache path
-    assert run(tmp_path / "shipped")["hits"] == 2
+    assert _child(tmp_path / "shipped")["hits"] == 2
+
+
+def test_an_executable_loaded_from_the_xla_cache_is_never_serialized(tmp_path):
+    """jax 0.10 (CPU) serializes an XLA-cache load without its kernels; the next process
+    then fails with NOT_FOUND when it runs it. The server keeps such cells unserialized;
+    the warmup job (rebuild_serialized) compiles them afresh and stores those."""
+    import shutil
+
+    path = tmp_path / "cache"
+    first = _child(path)
+    assert first["sources"] == ["compiled", "compiled"]
+    shutil.rmtree(path / "executables")  # e.g. an upgrade changed every key; the XLA cache still has the programs
+    served = _child(path)
+    assert served["sources"] == ["xla-cache", "xla-cache"] and served["hits"] == 2
+    assert not list((path / "executables").glob("*.bin"))
+    np.testing.assert_allclose(served["emb"], first["emb"], atol=1e-6)
+    rebuilt = _child(path, "rebuild")
+    assert rebuilt["sources"] == ["compiled", "compiled"] and len(list((path / "executables").glob("*.bin"))) == 2
+    loaded = _child(path)  # the fast path again, and its executables run
+    assert loaded["sources"] == ["serialized", "serialized"] and loaded["compiles"] == 0
+    np.testing.assert_allclose(loaded["emb"], first["emb"], atol=1e-6)
