@@ -191,6 +191,9 @@ class CompileCache:
         # compile a missing cell afresh (bypassing the XLA cache) so it can be serialized: only
         # asked for by the warmup job, and only needed when the XLA cache could answer it
         self.compile_fresh = rebuild_serialized and use_xla_cache and xla_dir.is_dir() and any(xla_dir.iterdir())
+        # without the XLA cache, compile with it bypassed even if another part of this process
+        # switched jax's (process-wide) persistent cache on: a load from it must not be serialized
+        self.bypass_xla = not use_xla_cache
         if use_xla_cache:
             enable_xla_cache(xla_dir)
 

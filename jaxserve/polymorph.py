@@ -122,11 +122,12 @@ class PolymorphTable:
         if compiled is None:
             # never serialize a program this process loaded from the XLA cache (see CompileCache)
             lowered = jax.jit(s.fn_for(cell)).lower(*s.abstract_args(cell))
-            if self.cache is not None and self.cache.compile_fresh:
+            if self.cache is not None and (self.cache.compile_fresh or self.cache.bypass_xla):
                 with xla_cache_bypassed():
                     compiled = lowered.compile()
                 self.cache.store(key, compiled, parts)
-                lowered.compile()  # through the XLA cache too: a miss writes the entry
+                if self.cache.compile_fresh:
+                    lowered.compile()  # through the XLA cache too: a miss writes the entry
             else:
                 hits = xla_cache_hits()
                 compiled = lowered.compile()
