@@ -4,7 +4,8 @@ The live server (default policy, MiniLM, one instance) and the simulator (the sa
 policy class, the cost model the server profiled at start-up) replay one Poisson trace
 of real tweets. We compare mean and p98 latency: the server-side latency (the engine's
 ``latency_ms``: queue + compute + hand-off, what the simulator models) and, for
-reference, the client-side one (HTTP and JSON included). Arlo reports 4.3% (mean) and 2.6% (p98); our goal is within 10%.
+reference, the client-side one (HTTP and JSON included). Arlo reports 4.3% (mean) and
+2.6% (p98); our goal is within 10%.
 
 The 70% load point is found on the simulator itself: the Poisson rate at which the
 simulated instance is busy 70% of the time.
@@ -127,7 +128,7 @@ def main():
         handoffs = np.maximum(held - measured, 0.0)
         handoff = float(handoffs.mean())
         sizes = np.array([int(shape.split("_")[0][1:]) for shape, _ in batches])
-        # Live and simulated, on args.repeats traces (seeds args.seed, +1, ...), pooled: one
+        # Live and simulated, on args.repeats traces (seeds args.seed, +10, +20, ...), pooled: one
         # 30 s trace's live p98 moves by 10-25% from run to run on this machine.
         sims = {"idle": [], "cal": [], "hand": [], "emp": []}
         server_ms, client_ms = [], []

@@ -10,8 +10,9 @@ Layout of a cache directory (``compiled_cache/`` by default)::
 The key hashes everything that could make a stored executable wrong for this process:
 model name and config hash, the cell, the function variant, the abstract shapes of
 every argument, a hash of jaxserve's model and polymorph sources, jax/jaxlib versions,
-the backend and device kind, ``XLA_FLAGS`` and the jax config flags that change lowering. Change any of them and the key changes, so
-a stale entry can never load; it is simply a miss.
+the backend and device kind, ``XLA_FLAGS`` and the jax config flags that change
+lowering. Change any of them and the key changes, so a stale entry can never load; it
+is simply a miss.
 
 A payload whose size or sha256 does not match its sidecar is reported, deleted and
 rebuilt; a payload that fails to deserialize is treated the same way. The cache holds
@@ -196,6 +197,24 @@ class CompileCache:
         self.bypass_xla = not use_xla_cache
         if use_xla_cache:
             enable_xla_cache(xla_dir)
+
+    def compile(self, key: str, lowered, description: dict[str, Any]) -> tuple[Any, str]:
+        """Compile ``lowered`` and store it under ``key`` unless it came from the XLA cache
+        (see the class docstring). Returns the executable and where it came from:
+        "compiled" or "xla-cache"."""
+        if self.compile_fresh or self.bypass_xla:
+            with xla_cache_bypassed():
+                compiled = lowered.compile()
+            self.store(key, compiled, description)
+            if self.compile_fresh:
+                lowered.compile()  # through the XLA cache too: a miss writes the entry
+            return compiled, "compiled"
+        hits = xla_cache_hits()
+        compiled = lowered.compile()
+        if xla_cache_hits() != hits:
+            return compiled, "xla-cache"
+        self.store(key, compiled, description)
+        return compiled, "compiled"
 
     def _paths(self, key: str) -> tuple[Path, Path]:
         return self.exe_dir / f"{key}.bin", self.exe_dir / f"{key}.json"

@@ -27,8 +27,6 @@ from jaxserve.compile_cache import (
     entry_key,
     environment_fingerprint,
     install_compile_counter,
-    xla_cache_bypassed,
-    xla_cache_hits,
 )
 from jaxserve.sched.base import Cell, ShapeGrid
 
@@ -120,22 +118,13 @@ class PolymorphTable:
             elif len(self.cache.events) > n_events:
                 source = "rebuilt"
         if compiled is None:
-            # never serialize a program this process loaded from the XLA cache (see CompileCache)
             lowered = jax.jit(s.fn_for(cell)).lower(*s.abstract_args(cell))
-            if self.cache is not None and (self.cache.compile_fresh or self.cache.bypass_xla):
-                with xla_cache_bypassed():
-                    compiled = lowered.compile()
-                self.cache.store(key, compiled, parts)
-                if self.cache.compile_fresh:
-                    lowered.compile()  # through the XLA cache too: a miss writes the entry
-            else:
-                hits = xla_cache_hits()
+            if self.cache is None:
                 compiled = lowered.compile()
-                if self.cache is not None:
-                    if xla_cache_hits() == hits:
-                        self.cache.store(key, compiled, parts)
-                    else:
-                        source = "xla-cache"
+            else:
+                compiled, how = self.cache.compile(key, lowered, parts)
+                if how == "xla-cache" or source != "rebuilt":
+                    source = how
         seconds = time.perf_counter() - t0
         self._executables[cell] = compiled
         self.stats[cell] = CellStats(source, seconds)
