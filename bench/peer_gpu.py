@@ -78,6 +78,10 @@ def main():
     ap.add_argument("--min-seconds", type=float, default=0.2)
     ap.add_argument("--cudagraphs", action="store_true",
                     help="also torch.compile(mode='reduce-overhead'): CUDA graphs, the strongest launch-bound peer")
+    ap.add_argument("--precision", choices=("highest", "default"), default="highest",
+                    help="highest: strict float32 on both sides; default: each side's default, i.e. TF32 "
+                         "matmuls (torch allow_tf32 on, JAX's default precision)")
+    ap.add_argument("--key", default="peer_gpu", help="RESULTS.md section")
     ap.add_argument("--out", default="", help="write the RESULTS.md section here")
     args = ap.parse_args()
 
@@ -89,10 +93,12 @@ def main():
     # dynamo stops recompiling after 8 shapes and silently runs the rest eagerly
     torch._dynamo.config.recompile_limit = 1024
     torch._dynamo.config.cache_size_limit = 1024
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    strict = args.precision == "highest"
+    torch.backends.cuda.matmul.allow_tf32 = not strict
+    torch.backends.cudnn.allow_tf32 = not strict
     torch.set_grad_enabled(False)
-    jax.config.update("jax_default_matmul_precision", "highest")
+    if strict:
+        jax.config.update("jax_default_matmul_precision", "highest")
     batches = [int(x) for x in args.batches.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]
     peers = {"eager": None, "compile": "default"} | ({"compile-ro": "reduce-overhead"} if args.cudagraphs else {})
@@ -158,7 +164,9 @@ def main():
              "Time to every first result: " + ", ".join(
                  f"{'ours (AOT compile per cell)' if k == 'ours' else titles[k]} {v:.1f} s" for k, v in warm.items())
              + ".  \n"
-             f"Strict float32 on both sides (JAX matmul precision 'highest', torch TF32 off); random weights, the "
+             + ("Strict float32 on both sides (JAX matmul precision 'highest', torch TF32 off)" if strict else
+                "TF32 matmuls on both sides (JAX's default precision, torch allow_tf32 on)")
+             + f"; random weights, the "
              f"same on both sides; the last row of every batch half padding; torch {torch.__version__}, "
              f"transformers eager = attn_implementation 'sdpa'. Per call of a back-to-back stream of calls, "
              f"median of {args.rounds} interleaved rounds; ratios are medians of same-round ratios.")
@@ -167,7 +175,8 @@ def main():
     if args.out:
         from bench.common import section
 
-        Path(args.out).write_text(section("peer_gpu", "Peer on a GPU: ours vs PyTorch eager and torch.compile",
+        title = "Peer on a GPU: ours vs PyTorch eager and torch.compile" + ("" if strict else " (TF32)")
+        Path(args.out).write_text(section(args.key, title,
                                           text, notes, machine_text=f"{machine()}; {torch.cuda.get_device_name()}"))
 
 
