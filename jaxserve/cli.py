@@ -40,6 +40,10 @@ def cmd_warmup(args) -> int:
         print(f"{name}: {len(rt.grid.cells())} executables ({', '.join(f'{n} {k}' for k, n in sources.items())})")
     for event in cache.events:
         print("cache:", event)
+    if args.prune:
+        keep = set().union(*(rt.table.keys() for rt in runtimes.values()))
+        removed = cache.prune({rt.table.servable.name for rt in runtimes.values()}, keep)
+        print(f"pruned {removed} stale entries of {', '.join(runtimes)}")
     print(f"manifest: {Path(args.cache_dir) / 'manifest.json'}  ({time.perf_counter() - t0:.1f} s)")
     return 0
 
@@ -293,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
 
     sp = sub.add_parser("warmup", help="compile every executable into the cache")
     common(sp)
+    sp.add_argument("--prune", action="store_true",
+                    help="then delete these models' serialized entries that this jaxserve/jax/grid can never "
+                         "load again (left by older versions); other models' entries stay")
     sp.set_defaults(fn=cmd_warmup)
 
     sp = sub.add_parser("serve", help="start the HTTP server")

@@ -254,6 +254,35 @@ class CompileCache:
         for p in self._paths(key):
             p.unlink(missing_ok=True)
 
+    def prune(self, models: set[str], keep: set[str]) -> int:
+        """Delete the serialized entries of ``models`` whose key is not in ``keep`` (left
+        behind by an older jaxserve, jax, config or grid: they can never load again), and
+        any payload without a sidecar or half-written file. Entries of other models stay.
+        Returns how many entries were removed."""
+        removed = 0
+        for meta_path in self.exe_dir.glob("*.json"):
+            try:
+                model = json.loads(meta_path.read_text()).get("model")
+            except ValueError:
+                model = None  # an unreadable sidecar can never load either
+            if meta_path.stem not in keep and (model is None or model in models):
+                self.discard(meta_path.stem)
+                removed += 1
+        for path in self.exe_dir.iterdir():
+            if path.suffix == ".tmp" or (path.suffix == ".bin" and not path.with_suffix(".json").exists()):
+                path.unlink(missing_ok=True)
+                removed += path.suffix == ".bin"
+        manifest = self.root / "manifest.json"
+        if manifest.exists():
+            try:
+                rows = json.loads(manifest.read_text())["entries"]
+            except (ValueError, KeyError):
+                rows = []
+            kept = [r for r in rows if r.get("key") in keep or r.get("model") not in models]
+            body = {"updated": time.strftime("%Y-%m-%dT%H:%M:%S"), "entries": kept}
+            _write_owner_only(manifest, json.dumps(body, indent=1).encode())
+        return removed
+
     def write_manifest(self, rows: list[ManifestRow]) -> Path:
         """Merge ``rows`` into manifest.json (keyed by entry key; newest row wins)."""
         path = self.root / "manifest.json"

@@ -78,6 +78,10 @@ class PolymorphTable:
         self._out_trees: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ warmup
+    def keys(self) -> set[str]:
+        """The cache keys of every cell of the grid, as this process would store them."""
+        return {self._key(cell)[0] for cell in self.servable.grid.cells()}
+
     def _key(self, cell: Cell) -> tuple[str, dict]:
         s = self.servable
         args = s.abstract_args(cell)

@@ -19,8 +19,13 @@ def test_warmup_writes_manifest_then_loads_serialized(tmp_path):
     assert "6 executables (6 compiled)" in first.stdout
     manifest = json.loads((cache / "manifest.json").read_text())
     assert {e["model"] for e in manifest["entries"]} == {"vit-demo"}
-    second = run("warmup", "--model", "vit-demo", "--cache-dir", str(cache))
+    (cache / "executables" / "stale.json").write_text(json.dumps({"model": "vit-demo"}))  # an older version's
+    (cache / "executables" / "stale.bin").write_bytes(b"old")
+    second = run("warmup", "--model", "vit-demo", "--cache-dir", str(cache), "--prune")
     assert "6 executables (6 serialized)" in second.stdout
+    assert "pruned 1 stale entries of vit-demo" in second.stdout
+    assert not (cache / "executables" / "stale.bin").exists()
+    assert len(list((cache / "executables").glob("*.bin"))) == 6
 
 
 def test_simulate_replays_a_trace_file(tmp_path):

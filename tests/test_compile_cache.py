@@ -207,3 +207,27 @@ def test_an_executable_loaded_from_the_xla_cache_is_never_serialized(tmp_path):
     loaded = _child(path)  # the fast path again, and its executables run
     assert loaded["sources"] == ["serialized", "serialized"] and loaded["compiles"] == 0
     np.testing.assert_allclose(loaded["emb"], first["emb"], atol=1e-6)
+
+
+def test_prune_removes_only_this_models_entries_that_can_never_load(cache_dir, monkeypatch):
+    cache = CompileCache(cache_dir, use_xla_cache=False)
+    stale = _table(cache)[0].keys()
+    other = PolymorphTable(bert_servable("other", CFG, GRID), cache)
+    other.warmup()
+    other_keys = other.keys()
+    real = cc.environment_fingerprint
+    monkeypatch.setattr("jaxserve.polymorph.environment_fingerprint", lambda: {**real(), "jax": "next"})
+    new, _ = _table(cache)  # an upgrade: every key of "tiny" changed, the old entries stay behind
+    (cache.exe_dir / "orphan.bin").write_bytes(b"x")  # a payload without its sidecar
+    (cache.exe_dir / "half.bin.tmp").write_bytes(b"x")  # a write that never finished
+    assert stale.isdisjoint(new.keys())
+    on_disk = lambda: {p.stem for p in cache.exe_dir.glob("*.bin")}  # noqa: E731
+    assert stale <= on_disk()
+    removed = cache.prune({"tiny"}, new.keys())
+    assert removed == len(stale) + 1
+    assert on_disk() == new.keys() | other_keys  # the other model's entries are untouched
+    assert not list(cache.exe_dir.glob("*.tmp"))
+    manifest_keys = {r["key"] for r in json.loads((cache_dir / "manifest.json").read_text())["entries"]}
+    assert manifest_keys == new.keys() | other_keys
+    again, rows = _table(cache)  # what was kept still loads
+    assert {r.source for r in rows} == {"serialized"}
