@@ -11,7 +11,7 @@ from pathlib import Path
 MODELS = ("minilm-l6", "vit-demo")
 
 
-from jaxserve.sched import SERVE_POLICIES, TEXT_STREAM_POLICIES
+from jaxserve.sched import IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES
 
 
 def _models(args) -> tuple[str, ...]:
@@ -19,7 +19,7 @@ def _models(args) -> tuple[str, ...]:
         return tuple(args.model)
     if getattr(args, "policy", None) in TEXT_STREAM_POLICIES:
         return ("minilm-l6",)
-    if getattr(args, "policy", None) in OTAS_FAMILY:
+    if getattr(args, "policy", None) in IMAGE_POLICIES:
         return ("vit-demo",)
     return MODELS
 
@@ -52,9 +52,6 @@ def _ints(text: str | None) -> tuple[int, ...] | None:
     return tuple(int(x) for x in text.split(",")) if text else None
 
 
-OTAS_FAMILY = ("otas", "pets", "tome", "vpt")  # OTAS and its baselines: one image model (§III-A)
-
-
 def _image_gammas(args) -> tuple[int, ...]:
     """The image grid's gammas: --gammas if given; under an OTAS-family policy (or when
     profiling accuracy) the model's whole OTAS list, so every baseline compiles the same grid
@@ -63,13 +60,13 @@ def _image_gammas(args) -> tuple[int, ...]:
 
     if getattr(args, "gammas", None):
         return _ints(args.gammas)
-    if getattr(args, "policy", None) in OTAS_FAMILY or getattr(args, "accuracy", False):
+    if getattr(args, "policy", None) in IMAGE_POLICIES or getattr(args, "accuracy", False):
         return OTAS_GAMMAS["vit-demo"]
     return (0,)
 
 
 def _otas_extra(args) -> dict:
-    if getattr(args, "policy", None) not in OTAS_FAMILY:
+    if getattr(args, "policy", None) not in IMAGE_POLICIES:
         return {}
     return {"otas": {"tome_gamma": args.tome_gamma, "vpt_gamma": args.vpt_gamma}}
 

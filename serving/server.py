@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -268,5 +267,3 @@ def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, ac
     uvicorn.run(build_app(settings), host=host, port=port, log_level="info",
                 access_log=access_log, timeout_graceful_shutdown=30)
 
-
-_ = math  # noqa
