@@ -26,7 +26,9 @@ def machine() -> str:
 
     import jax
 
-    return f"{machine_description()}; jax {jax.__version__} on {jax.devices()[0].platform}"
+    dev = jax.devices()[0]
+    kind = "" if dev.platform == "cpu" else f"; {dev.device_kind}"
+    return f"{machine_description()}; jax {jax.__version__} on {dev.platform}{kind}"
 
 
 def _invocation() -> list[str]:

@@ -15,25 +15,33 @@ started by this script on another port (``bench/naive_server.py``) and warmed on
 length the sweep sends, so the comparison measures batching, not first-sight compiles.
 
     python -m bench.load [--rates 10,20,40,...] [--duration 20] [--slo-ms 200] [--write]
+
+On a GPU host (``pip install -e '.[cuda]'``) the same script measures where compute is not
+the bound: e.g. ``--instances 1 --arrivals poisson --rates 100,200,...,1500 --max-queue 2048
+--key load_gpu --out FILE --log-dir DIR`` (``--out`` writes the RESULTS.md section to a file
+to splice in elsewhere; ``--log-dir`` keeps both servers' output).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import numpy as np
 
-from bench.common import record, table
+from bench.common import record, section, table
 
 TEXT_PATH = "/v1/embeddings"
 
@@ -138,9 +146,11 @@ def sample_texts(n: int = 2000, seed: int = 0) -> list[str]:
     return [texts[i] for i in idx]
 
 
-def wait_ready(url: str, timeout_s: float = 900) -> None:
+def wait_ready(url: str, timeout_s: float = 900, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:  # died before it was ready: no point waiting
+            raise RuntimeError(f"{url}: the server exited with status {proc.returncode} before it was ready")
         try:
             r = httpx.get(url + "/readyz", timeout=2)
             if r.status_code == 200:
@@ -153,13 +163,21 @@ def wait_ready(url: str, timeout_s: float = 900) -> None:
     raise RuntimeError(f"{url} not ready after {timeout_s} s")
 
 
-def start(cmd: list[str], url: str) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    wait_ready(url)
+def start(cmd: list[str], url: str, log: str | None = None, wait: bool = True) -> subprocess.Popen:
+    """Start a server in its own process group; its output goes to ``log`` (a file) if given."""
+    out = open(log, "ab") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
+                            start_new_session=True)
+    if log:
+        out.close()  # the child holds its own copy
+    if wait:
+        wait_ready(url, proc=proc)
     return proc
 
 
 def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(60)
@@ -177,10 +195,16 @@ def warm_naive(url: str, texts: list[str]) -> None:
     by_len = {}
     for text, ids in zip(texts, tok.encode(texts)):
         by_len.setdefault(min(len(ids), 256), text)
-    with httpx.Client(base_url=url, timeout=120) as c:
-        for text in by_len.values():
-            c.post(TEXT_PATH, json={"input": text})
-    print(f"naive peer warmed on {len(by_len)} distinct lengths", flush=True)
+    from concurrent.futures import ThreadPoolExecutor
+
+    def send(text):  # FastAPI runs sync endpoints in threads: distinct lengths compile side by side
+        with httpx.Client(base_url=url, timeout=600) as c:
+            c.post(TEXT_PATH, json={"input": text}).raise_for_status()
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max(1, min(8, (os.cpu_count() or 2) // 2))) as pool:
+        list(pool.map(send, by_len.values()))
+    print(f"naive peer warmed on {len(by_len)} distinct lengths in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def http_overhead(port: int, texts: list[str], n: int = 300, client: str = "http.client") -> tuple[float, str]:
@@ -226,7 +250,8 @@ def sweep(url: str, rates: list[float], duration: float, slo_ms: float, kind: st
         r = asyncio.run(open_loop(url, schedule, texts, slo_ms))
         results.append(r)
         print(f"  {kind} {rate:7.1f}/s  thr {r.throughput:7.1f}/s  p50 {r.pct(50):7.1f}  p98 {r.pct(98):7.1f}  "
-              f"att {r.attainment(slo_ms):.3f}  429 {r.rejected}  evicted {r.evicted}  err {r.errors}"
+              f"att {r.attainment(slo_ms):.3f}  429 {r.rejected}  evicted {r.evicted}  err {r.errors}  "
+              f"send lag p98 {np.percentile(r.send_lag, 98) * 1e3:.1f} ms"
               + (f" {dict(r.error_kinds)}" if r.errors else ""), flush=True)
         if r.attainment(slo_ms) < 0.5:
             break  # far past the knee: stop loading the machine
@@ -248,6 +273,13 @@ def main():
     ap.add_argument("--cache-dir", default="compiled_cache")
     ap.add_argument("--instances", default="1,2", help="executor worker counts to sweep (the first also "
                     "runs MMPP and the HTTP-overhead probe)")
+    ap.add_argument("--max-queue", type=int, default=256, help="jaxserve's admission bound (serve --max-queue)")
+    ap.add_argument("--arrivals", default="poisson,mmpp", help="arrival processes for the first worker count "
+                    "(the others and the naive peer run Poisson)")
+    ap.add_argument("--log-dir", default="", help="keep the servers' output here (default: discarded)")
+    ap.add_argument("--key", default="load", help="RESULTS.md section")
+    ap.add_argument("--out", default="", help="write the RESULTS.md section to this file instead "
+                    "(to splice in elsewhere: python -m bench.common splice FILE)")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     instance_counts = [int(x) for x in args.instances.split(",")]
@@ -258,17 +290,40 @@ def main():
     rows, knees = [], {}
     error_kinds = Counter()
 
+    logs = {name: (str(Path(args.log_dir) / f"{name}.log") if args.log_dir else None) for name in ("jaxserve", "naive")}
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    # the naive peer is started and warmed (it compiles every length the sweep sends) while
+    # jaxserve warms up; both are warm before any load is sent, so neither sweep shares the
+    # machine with a compile
+    naive_url = f"http://127.0.0.1:{args.port + 1}"
+    naive = start([py, "-m", "bench.naive_server", "--port", str(args.port + 1)], naive_url, logs["naive"], wait=False)
+    atexit.register(stop, naive)  # however this script ends
+    naive_warm_error = []
+
+    def warm_naive_bg():
+        try:
+            wait_ready(naive_url, proc=naive)
+            warm_naive(naive_url, texts)
+        except Exception as exc:  # reported when the naive sweep would start
+            naive_warm_error.append(exc)
+
+    naive_warmer = threading.Thread(target=warm_naive_bg, daemon=True)
+    naive_warmer.start()
+
     overhead = overhead_httpx = float("nan")
     for n, instances in enumerate(instance_counts):
         label = f"jaxserve, {instances} worker{'s' if instances > 1 else ''}"
         server = start([py, "-m", "jaxserve.cli", "serve", "--model", "minilm-l6", "--port", str(args.port),
-                        "--instances", str(instances), "--cache-dir", args.cache_dir], url)
+                        "--instances", str(instances), "--cache-dir", args.cache_dir,
+                        "--max-queue", str(args.max_queue)], url, logs["jaxserve"])
+        naive_warmer.join()
         try:
             if n == 0:  # HTTP overhead at batch 1, one request at a time
                 overhead, detail = http_overhead(args.port, texts)
                 overhead_httpx, _ = http_overhead(args.port, texts, client="httpx")
                 print(f"HTTP overhead p50: {overhead:.2f} ms ({detail}); with an httpx client: {overhead_httpx:.2f} ms")
-            for kind in ("poisson", "mmpp") if n == 0 else ("poisson",):
+            for kind in args.arrivals.split(",") if n == 0 else ("poisson",):
                 print(f"{label}, {kind}:", flush=True)
                 res = sweep(url, rates, args.duration, args.slo_ms, kind, texts, args.seed)
                 knees[(label, kind)] = knee(res, args.slo_ms)
@@ -280,10 +335,11 @@ def main():
         finally:
             stop(server)
 
-    naive = start([py, "-m", "bench.naive_server", "--port", str(args.port + 1)], f"http://127.0.0.1:{args.port + 1}")
     try:
-        warm_naive(f"http://127.0.0.1:{args.port + 1}", texts)
-        res = sweep(f"http://127.0.0.1:{args.port + 1}", rates, args.duration, args.slo_ms, "poisson", texts, args.seed)
+        naive_warmer.join()
+        if naive_warm_error:
+            raise naive_warm_error[0]
+        res = sweep(naive_url, rates, args.duration, args.slo_ms, "poisson", texts, args.seed)
         knees[("naive", "poisson")] = knee(res, args.slo_ms)
         for r in res:
             error_kinds.update({f"naive: {k}": v for k, v in r.error_kinds.items()})
@@ -311,7 +367,7 @@ def main():
         knee_lines.append(f"{label} ({kind}): {knee_text(k)}" + (f" → **{ratio:.1f}×** the naive peer"
                                                                    if kind == "poisson" else ""))
     notes = (f"SLO {args.slo_ms:.0f} ms on p98; {args.duration:.0f} s per rate; real tweets; MiniLM default grid, "
-             f"default policy; load generator on the same 2 cores.  \nHTTP overhead (client p50 at batch 1 "
+             f"default policy, max queue {args.max_queue}; load generator on the same {os.cpu_count()} cores.  \nHTTP overhead (client p50 at batch 1 "
              f"minus engine queue+compute, stdlib http.client keep-alive client): **{overhead:.2f} ms** (goal ≤ 2 ms; "
              f"with an httpx client {overhead_httpx:.2f} ms).  \nKnee = the highest "
              f"throughput whose p98 ≤ SLO with ≥ 99% answered on time (goal: jaxserve ≥ 3× the naive peer):  \n"
@@ -320,8 +376,11 @@ def main():
              + ("; ".join(f"{k} ×{v}" for k, v in error_kinds.most_common()) or "none"))
     print(text)
     print(notes)
-    if args.write:
-        record("load", "Open-loop load: throughput, latency and the knee", text, notes)
+    title = "Open-loop load: throughput, latency and the knee"
+    if args.out:
+        Path(args.out).write_text(section(args.key, title, text, notes))
+    elif args.write:
+        record(args.key, title, text, notes)
     print(json.dumps({"overhead_ms": overhead, "knee_ratios": ratios}))
 
 

@@ -29,7 +29,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.common import bert_flops, bert_inputs, machine, table  # noqa: E402
+from bench.common import bert_flops, bert_inputs, table  # noqa: E402
 from jaxserve.models.bert import BERT_CONFIGS, export_hf_bert, init_bert  # noqa: E402
 from jaxserve.polymorph import PolymorphTable  # noqa: E402
 from jaxserve.sched.base import Cell, ShapeGrid  # noqa: E402
@@ -176,8 +176,7 @@ def main():
         from bench.common import section
 
         title = "Peer on a GPU: ours vs PyTorch eager and torch.compile" + ("" if strict else " (TF32)")
-        Path(args.out).write_text(section(args.key, title,
-                                          text, notes, machine_text=f"{machine()}; {torch.cuda.get_device_name()}"))
+        Path(args.out).write_text(section(args.key, title, text, notes))
 
 
 if __name__ == "__main__":
