@@ -24,10 +24,10 @@ shared machine libgomp's default spin-waiting made torch 3x slower at 2 threads 
 descheduled spinner stalls every parallel region), which would flatter us.
 
 Usage (from the repo root):
-  .venv/bin/python bench/peer.py                      # full grid, markdown to stdout
-  .venv/bin/python bench/peer.py --write              # ... and bench/results/peer.md
-  .venv/bin/python bench/peer.py --models minilm --batches 8 --lengths 128 --rounds 3
-  .venv/bin/python bench/peer.py --profile minilm:8x256   # per-thunk profile, ours vs naive
+  .venv/bin/python -m bench.peer                      # full grid, markdown to stdout
+  .venv/bin/python -m bench.peer --write              # ... and bench/results/peer.md
+  .venv/bin/python -m bench.peer --models minilm --batches 8 --lengths 128 --rounds 3
+  .venv/bin/python -m bench.peer --profile minilm:8x256   # per-thunk profile, ours vs naive
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -101,6 +101,7 @@ class ManifestRow:
     compile_seconds: float
     source: str  # "serialized" (fast path), "compiled" (miss), "rebuilt" (corrupt entry replaced),
     #              or "xla-cache" (loaded from XLA's persistent cache; not re-serialized: see CompileCache)
+    compile_options: dict = field(default_factory=dict)  # per-cell XLA options (Servable.options_of)
 
 
 _compile_counter = {"backend_compiles": 0, "seconds": 0.0, "xla_cache_hits": 0}
@@ -199,18 +200,19 @@ class CompileCache:
             enable_xla_cache(xla_dir)
 
     def compile(self, key: str, lowered, description: dict[str, Any]) -> tuple[Any, str]:
-        """Compile ``lowered`` and store it under ``key`` unless it came from the XLA cache
-        (see the class docstring). Returns the executable and where it came from:
-        "compiled" or "xla-cache"."""
+        """Compile ``lowered`` (with ``description["compile_options"]``, if any) and store it
+        under ``key`` unless it came from the XLA cache (see the class docstring). Returns
+        the executable and where it came from: "compiled" or "xla-cache"."""
+        options = description.get("compile_options") or None
         if self.compile_fresh or self.bypass_xla:
             with xla_cache_bypassed():
-                compiled = lowered.compile()
+                compiled = lowered.compile(compiler_options=options)
             self.store(key, compiled, description)
             if self.compile_fresh:
-                lowered.compile()  # through the XLA cache too: a miss writes the entry
+                lowered.compile(compiler_options=options)  # through the XLA cache too: a miss writes the entry
             return compiled, "compiled"
         hits = xla_cache_hits()
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=options)
         if xla_cache_hits() != hits:
             return compiled, "xla-cache"
         self.store(key, compiled, description)

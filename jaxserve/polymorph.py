@@ -32,6 +32,17 @@ from jaxserve.sched.base import Cell, ShapeGrid
 
 log = logging.getLogger("jaxserve.polymorph")
 
+def ynn_off(when: bool, platform: str | None = None) -> dict[str, str]:
+    """The XLA option that keeps YNNPACK out of an executable, where ``when`` and on the CPU.
+
+    XLA:CPU (jax 0.10) hands dots and the element-wise work around them to YNNPACK as
+    "YNN fusions". For small calls that wins; for large ones the plain XLA emitters are
+    faster, and where the crossover lies depends on the model (each servable's
+    ``options_of`` states its rule and the measurements behind it). Other backends: {}.
+    """
+    platform = platform or jax.default_backend()
+    return {"xla_cpu_experimental_ynn_fusion_type": ""} if when and platform == "cpu" else {}
+
 
 class NotWarmError(KeyError):
     """A cell was asked for that warmup did not compile; serving never compiles."""
@@ -55,6 +66,8 @@ class Servable:
     fn_for: Callable[[Cell], Callable]
     input_specs: Callable[[Cell], tuple[jax.ShapeDtypeStruct, ...]]
     variant_of: Callable[[Cell], str] = lambda cell: ""
+    # XLA compiler options per cell (part of the cache key): e.g. polymorph.ynn_off
+    options_of: Callable[[Cell], dict[str, str]] = lambda cell: {}
 
     def abstract_args(self, cell: Cell) -> tuple:
         return (self.abstract_state, *self.input_specs(cell))
@@ -91,6 +104,7 @@ class PolymorphTable:
             "config": s.config_hash,
             "cell": cell.label(),
             "variant": s.variant_of(cell),
+            "compile_options": s.options_of(cell),
             "avals": avals,
             "env": environment_fingerprint(),
         }
@@ -124,7 +138,7 @@ class PolymorphTable:
         if compiled is None:
             lowered = jax.jit(s.fn_for(cell)).lower(*s.abstract_args(cell))
             if self.cache is None:
-                compiled = lowered.compile()
+                compiled = lowered.compile(compiler_options=parts["compile_options"] or None)
             else:
                 compiled, how = self.cache.compile(key, lowered, parts)
                 if how == "xla-cache" or source != "rebuilt":
@@ -136,7 +150,7 @@ class PolymorphTable:
         return ManifestRow(
             model=s.name, config_hash=s.config_hash, cell=cell.label(), key=key,
             jax=env["jax"], jaxlib=env["jaxlib"], xla_flags=env["xla_flags"],
-            compile_seconds=round(seconds, 4), source=source,
+            compile_seconds=round(seconds, 4), source=source, compile_options=parts["compile_options"],
         )
 
     def warmup(self, cells: Sequence[Cell] | None = None, progress: bool = False) -> list[ManifestRow]:

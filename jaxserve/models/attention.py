@@ -1,7 +1,7 @@
 """Multi-head attention core shared by BERT and ViT: softmax(q kᵀ + key_bias) v.
 
 Laid out for XLA:CPU, where attention (not the dense layers) is what falls behind at
-long sequences (per-thunk profile: ``python bench/peer.py --profile minilm:8x256``):
+long sequences (per-thunk profile: ``python -m bench.peer --profile minilm:8x256``):
 
 - Scores are [B, H, key, query], so the softmax reduces over a non-minor axis,
   vectorised across queries. With the usual [B, H, query, key] every row is a
