@@ -31,7 +31,7 @@ def machine() -> str:
     return f"{machine_description()}; jax {jax.__version__} on {dev.platform}{kind}"
 
 
-def _invocation() -> list[str]:
+def invocation() -> list[str]:
     """argv as a user would retype it from the repository root: ``-m bench.x`` for a script here."""
     script = Path(sys.argv[0]).resolve()
     if script.parent == Path(__file__).resolve().parent and script.suffix == ".py":
@@ -41,7 +41,7 @@ def _invocation() -> list[str]:
 
 def section(key: str, title: str, body: str, notes: str = "", machine_text: str | None = None) -> str:
     """One RESULTS.md section, stamped with the machine, the date and this command."""
-    command = "python " + " ".join(shlex.quote(a) for a in _invocation())
+    command = "python " + " ".join(shlex.quote(a) for a in invocation())
     stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     return (f"<!-- bench:{key} -->\n## {title}\n\n"
             f"*Machine:* {machine_text or machine()}  \n*Date:* {stamp}  \n*Command:* `{command}`\n\n"

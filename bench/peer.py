@@ -82,7 +82,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench.common import bert_flops, bert_inputs  # noqa: E402
+from bench.common import bert_flops, bert_inputs, invocation  # noqa: E402
 from jaxserve.models.bert import BERT_CONFIGS, BertConfig, export_hf_bert, init_bert, load_hf_bert, pool  # noqa: E402
 from jaxserve.polymorph import PolymorphTable  # noqa: E402
 from jaxserve.registry import minilm_dir  # noqa: E402
@@ -346,7 +346,7 @@ def report(args, results: list[CellResult], peaks: dict, info: dict, started: st
     torch_info = info.get("torch", {})
     L = []
     L.append("# Peer benchmark: jaxserve AOT executables vs PyTorch eager and torch.compile\n")
-    L.append(f"- command: `{' '.join(shlex.quote(a) for a in [sys.executable.replace(str(ROOT) + '/', '')] + sys.argv)}`")
+    L.append(f"- command: `{' '.join(shlex.quote(a) for a in [sys.executable.replace(str(ROOT) + '/', ''), *invocation()])}`")
     L.append(f"- date: {started} (run took {seconds / 60:.1f} min)")
     L.append(f"- machine: {cpu_model()}, {os.cpu_count()} CPUs visible, both sides on {CORES} "
              f"(JAX: XLA thread pool over the affinity mask; torch.set_num_threads({torch_info.get('threads')}), "
