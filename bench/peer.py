@@ -468,10 +468,12 @@ def profile(spec: str) -> str:
     graphdef, state = nnx.split(model)
     ids, mask = bert_inputs(cfg, b, s)
     from jaxserve.models.bert import make_encode_fn
+    from jaxserve.servables import bert_options
 
     out = [f"# per-thunk profile: {name} B={b} S={s}, {CORES} cores, jax {jax.__version__}\n"]
-    for label, fn in (("ours", make_encode_fn(graphdef)), ("naive", make_naive_encode(graphdef))):
-        c = jax.jit(fn).lower(state, ids, mask).compile()
+    options = bert_options(Cell(b, s)) or None  # ours compiles as the polymorph table would
+    for label, fn, opts in (("ours", make_encode_fn(graphdef), options), ("naive", make_naive_encode(graphdef), None)):
+        c = jax.jit(fn).lower(state, ids, mask).compile(compiler_options=opts)
         hlo = c.as_text()
         comps = {m.group(1): m.group(2) for m in re.finditer(r"^%(\S+) .*?\{\n(.*?)\n\}", hlo, re.S | re.M)}
         kind = {}
