@@ -32,6 +32,7 @@ from jaxserve.sched.base import Cell, ShapeGrid
 
 log = logging.getLogger("jaxserve.polymorph")
 
+
 def ynn_off(when: bool, platform: str | None = None) -> dict[str, str]:
     """The XLA option that keeps YNNPACK out of an executable, where ``when`` and on the CPU.
 
