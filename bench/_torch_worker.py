@@ -6,10 +6,12 @@ answers one JSON line on stdout (logs go to stderr).
 
 Commands
   {"cmd": "load", "model": name, "dir": hf_dir}          -> {"ok": true}
-  {"cmd": "setup", "impl": impl, "model": name, "ids": [[..]], "mask": [[..]]}
+  {"cmd": "setup", "impl": impl, "model": name, "ids": [[..]], "mask": [[..]], "autocast": ""}
         builds the callable for (impl, shape) and runs it once; answers the time to
         that first result (for torch.compile: the per-shape compile) and the
-        embedding, for the parity check.
+        embedding, for the parity check. autocast "bf16": the callable runs under
+        torch.autocast("cpu", dtype=torch.bfloat16) (torch's own reduced-precision CPU mode,
+        the peer of jaxserve's --precision bf16); the embedding comes back as float32.
   {"cmd": "time", "impl": impl, "model": name, "batch": b, "seq": s, "reps": n}
         -> {"seconds": [...], "cpu_seconds": [...]} for n calls on the inputs given at setup
         (cpu_seconds: this process's CPU time per call, all threads)
@@ -17,9 +19,9 @@ Commands
   {"cmd": "quit"}
 
 impl is one of "eager-sdpa", "eager-eager", "compile-default", "compile-max-autotune"
-(max-autotune-no-cudagraphs). Every impl computes what jaxserve's encode fn computes:
+(max-autotune-no-cudagraphs), optionally prefixed "f32:" (float32 whatever autocast says). Every impl computes what jaxserve's encode fn computes:
 BertModel forward, mean pooling over real tokens, L2 normalisation, under
-torch.inference_mode(), float32.
+torch.inference_mode(), float32 unless autocast is asked for.
 """
 
 from __future__ import annotations
@@ -66,9 +68,31 @@ def make_encode(m: torch.nn.Module):
     return encode
 
 
-def build(impl: str, model: str):
+def autocast(fn, mode: str):
+    if not mode:
+        return fn
+    if mode != "bf16":
+        raise ValueError(f"autocast {mode!r}: only 'bf16'")
+
+    def run(*args):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return fn(*args).float()
+
+    return run
+
+
+def build(impl: str, model: str, mode: str = ""):
     """A fresh callable per (impl, shape): torch.compile(dynamic=False) specialises on
-    shape anyway, and a fresh wrapper makes the first call the whole per-shape cost."""
+    shape anyway, and a fresh wrapper makes the first call the whole per-shape cost.
+    Under autocast, torch.compile traces the autocast region (inductor lowers it to bf16)."""
+    if mode:
+        if impl.startswith("compile-"):
+            import torch._dynamo
+
+            torch._dynamo.config.cache_size_limit = 64
+            opts = {"compile-default": None, "compile-max-autotune": "max-autotune-no-cudagraphs"}[impl]
+            return torch.compile(autocast(make_encode(module(model, "sdpa")), mode), dynamic=False, mode=opts)
+        return autocast(build(impl, model), mode)
     if impl == "eager-sdpa":
         return make_encode(module(model, "sdpa"))
     if impl == "eager-eager":
@@ -95,7 +119,10 @@ def handle(req: dict) -> dict:
         b, s = ids.shape
         INPUTS[(req["model"], b, s)] = (ids, mask, torch.zeros_like(ids))
         t0 = time.perf_counter()
-        fn = build(req["impl"], req["model"])
+        impl, mode = req["impl"], req.get("autocast", "")
+        if impl.startswith("f32:"):  # a float32 reference beside autocast runs, e.g. "f32:eager-sdpa"
+            impl, mode = impl[4:], ""
+        fn = build(impl, req["model"], mode)
         with torch.inference_mode():
             out = fn(*INPUTS[(req["model"], b, s)])
         first = time.perf_counter() - t0

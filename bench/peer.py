@@ -15,6 +15,13 @@ so that every ratio compares timings taken in the same minutes of a shared machi
   compile       torch.compile(dynamic=False) of the same encode function, default mode
   max-autotune  torch.compile(mode="max-autotune-no-cudagraphs"), only with --max-autotune
 
+With --precision bf16 (jaxserve's opt-in reduced-precision mode, jaxserve/models/precision.py)
+ours runs bf16 dense kernels with float32 accumulation, and every torch column runs under
+torch.autocast("cpu", bfloat16), torch's own reduced-precision CPU mode: the ratios compare
+like with like. A float32 torch eager column ("eager f32") shows what switching precision buys
+over the float32 peer, and each cell's embeddings are compared with the float32 ones (our float32
+executable, which matches torch's float32 to ~3e-7): minimum cosine per side. No 'naive' column.
+
 The torch side runs in the reference venv (.venv-ref, built by bench/setup_ref_env.sh)
 as a long-lived worker (bench/_torch_worker.py) that answers JSON lines; jaxserve never
 imports torch. Both sides get the same cores: JAX's thread pool spans the process's
@@ -28,6 +35,7 @@ Usage (from the repo root):
   .venv/bin/python -m bench.peer --write              # ... and bench/results/peer.md
   .venv/bin/python -m bench.peer --models minilm --batches 8 --lengths 128 --rounds 3
   .venv/bin/python -m bench.peer --profile minilm:8x256   # per-thunk profile, ours vs naive
+  .venv/bin/python -m bench.peer --precision bf16 --write  # bf16 vs torch autocast: peer-bf16.md
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REF_PYTHON = ROOT / ".venv-ref" / "bin" / "python"
 WORKER = ROOT / "bench" / "_torch_worker.py"
 RESULTS = ROOT / "bench" / "results" / "peer.md"
+RESULTS_BF16 = ROOT / "bench" / "results" / "peer-bf16.md"
 
 
 def parse_args(argv=None):
@@ -67,7 +76,10 @@ def parse_args(argv=None):
     p.add_argument("--max-autotune", default="", help="cells for max-autotune-no-cudagraphs, e.g. 'minilm:8x128' or 'all'")
     p.add_argument("--omp-wait-policy", default="PASSIVE", help="torch worker's OMP_WAIT_POLICY ('' = libgomp default)")
     p.add_argument("--profile", default="", help="MODEL:BxS -- per-thunk profile of ours vs naive, then exit")
-    p.add_argument("--write", action="store_true", help=f"also write {RESULTS.relative_to(ROOT)}")
+    p.add_argument("--precision", default="f32", choices=("f32", "bf16"),
+                   help="bf16: ours with bf16 dense kernels vs torch under autocast bf16 (writes peer-bf16.md)")
+    p.add_argument("--write", action="store_true",
+                   help=f"also write {RESULTS.relative_to(ROOT)} ({RESULTS_BF16.relative_to(ROOT)} with --precision bf16)")
     return p.parse_args(argv)
 
 
@@ -219,6 +231,7 @@ class CellResult:
     first: dict[str, float] = field(default_factory=dict)  # impl -> seconds to first result
     compile_only: float = 0.0  # jax: lower+compile seconds of the cell
     parity: dict[str, float] = field(default_factory=dict)  # impl -> max |embedding - ours|
+    cos_f32: dict[str, float] = field(default_factory=dict)  # --precision bf16: impl -> min cosine to float32
     errors: dict[str, str] = field(default_factory=dict)
 
     def median_ms(self, impl: str) -> float:
@@ -240,6 +253,8 @@ def run_grid(args, worker: TorchWorker, models: list[str], batches, lengths, tmp
     results: list[CellResult] = []
     info: dict = {}
     autotune_cells = set(args.max_autotune.split(",")) if args.max_autotune else set()
+    bf16 = args.precision == "bf16"
+    autocast = "bf16" if bf16 else ""
     for name in models:
         cfg, model, hf_dir = load_model(name, tmp)
         r = worker.call(cmd="load", model=name, dir=str(hf_dir))
@@ -258,8 +273,10 @@ def run_grid(args, worker: TorchWorker, models: list[str], batches, lengths, tmp
             worker.call(cmd="drop", impl="compile-default", model=name, batch=1, seq=8)
             info["init"] = (j, r.get("first_seconds", math.nan))
         grid = ShapeGrid(batch_sizes=tuple(batches), seq_buckets=tuple(lengths))
-        table = PolymorphTable(bert_servable(name, cfg, grid))
-        weights = weights_of(model)
+        table = PolymorphTable(bert_servable(name, cfg, grid, args.precision))
+        weights = weights_of(model, args.precision)
+        if bf16:  # float32 reference embeddings: our float32 executables (== torch float32 to ~3e-7)
+            ref_table, ref_weights = PolymorphTable(bert_servable(name, cfg, grid)), weights_of(model)
         graphdef, _ = nnx.split(model)
         naive = jax.jit(make_naive_encode(graphdef))
         for b in batches:
@@ -275,7 +292,11 @@ def run_grid(args, worker: TorchWorker, models: list[str], batches, lengths, tmp
                 res.compile_only = row.compile_seconds
                 ours_emb = out["embedding"]
                 calls = {"ours": lambda cell=cell, ids=ids, mask=mask: table.run(cell, weights, ids, mask)}
-                if not args.no_naive:
+                if bf16:
+                    ref_table.warm_cell(cell)
+                    ref_emb = ref_table.run(cell, ref_weights, ids, mask)["embedding"]
+                    res.cos_f32["ours"] = float((ours_emb * ref_emb).sum(-1).min())
+                if not args.no_naive and not bf16:
                     t0 = time.perf_counter()
                     naive_exec = naive.lower(weights, ids, mask).compile()
                     emb = np.asarray(naive_exec(weights, ids, mask)["embedding"])
@@ -283,16 +304,22 @@ def run_grid(args, worker: TorchWorker, models: list[str], batches, lengths, tmp
                     res.parity["naive"] = float(np.abs(emb - ours_emb).max())
                     calls["naive"] = lambda ex=naive_exec, ids=ids, mask=mask: jax.block_until_ready(ex(weights, ids, mask))
                 impls = ["eager-sdpa"] + ([] if args.no_eager_eager else ["eager-eager"]) + ["compile-default"]
+                if bf16:
+                    impls.append("f32:eager-sdpa")
                 if "all" in autotune_cells or f"{name}:{b}x{s}" in autotune_cells:
                     impls.append("compile-max-autotune")
                 for impl in impls:
-                    r = worker.call(cmd="setup", impl=impl, model=name, ids=ids.tolist(), mask=mask.tolist())
+                    r = worker.call(cmd="setup", impl=impl, model=name, ids=ids.tolist(), mask=mask.tolist(),
+                                    autocast=autocast)
                     if "error" in r:
                         res.errors[impl] = r["error"]
                         log(f"  {name} b{b} s{s} {impl}: ERROR {r['error'][:200]}")
                         continue
                     res.first[impl] = r["first_seconds"]
-                    res.parity[impl] = float(np.abs(np.asarray(r["embedding"], np.float32) - ours_emb).max())
+                    emb = np.asarray(r["embedding"], np.float32)
+                    res.parity[impl] = float(np.abs(emb - ours_emb).max())
+                    if bf16:
+                        res.cos_f32[impl] = float((emb * ref_emb).sum(-1).min())
                     calls[impl] = impl
                 # ---- interleaved timing: every round measures every impl back to back ----
                 order = list(calls)
@@ -344,8 +371,10 @@ def report(args, results: list[CellResult], peaks: dict, info: dict, started: st
     peak_w = max(float(np.median(w)) for w, _ in peaks.values() if w)
     peak_c = max(float(np.median(c)) for _, c in peaks.values() if c)
     torch_info = info.get("torch", {})
+    bf16 = args.precision == "bf16"
     L = []
-    L.append("# Peer benchmark: jaxserve AOT executables vs PyTorch eager and torch.compile\n")
+    L.append("# Peer benchmark: jaxserve AOT executables vs PyTorch eager and torch.compile"
+             + (" -- bf16 (ours --precision bf16, torch under autocast bf16)\n" if bf16 else "\n"))
     L.append(f"- command: `{' '.join(shlex.quote(a) for a in [sys.executable.replace(str(ROOT) + '/', ''), *invocation()])}`")
     L.append(f"- date: {started} (run took {seconds / 60:.1f} min)")
     L.append(f"- machine: {cpu_model()}, {os.cpu_count()} CPUs visible, both sides on {CORES} "
@@ -353,7 +382,11 @@ def report(args, results: list[CellResult], peaks: dict, info: dict, started: st
              f"OMP_WAIT_POLICY={torch_info.get('omp_wait_policy') or 'default'}). Shared with other jobs: "
              f"load average {info.get('load_start')} at start, {info.get('load_end')} at end")
     L.append(f"- jax {jax.__version__}, XLA_FLAGS='{os.environ.get('XLA_FLAGS', '')}'; torch {torch_info.get('torch')}, "
-             f"transformers {info.get('transformers', '?')}; float32 everywhere")
+             f"transformers {info.get('transformers', '?')}; "
+             + ("ours: bf16 dense kernels, float32 accumulation, everything else float32 (jaxserve/models/precision.py); "
+                "torch: torch.autocast('cpu', dtype=torch.bfloat16) around the whole encode fn, eager and compiled; "
+                "'eager f32' is torch eager (sdpa) in float32."
+                if bf16 else "float32 everywhere"))
     L.append("- matmul 2048x2048 float32, GFLOP/s per wall second / per CPU second (median of checks before and "
              "after the grid): " + ", ".join(f"{k} {np.median(w):.0f} / {np.median(c):.0f}" for k, (w, c) in peaks.items() if w)
              + f". Peak = the best: {peak_w:.0f} GFLOP/s, {peak_c:.0f} GFLOP per CPU-second.")
@@ -364,13 +397,19 @@ def report(args, results: list[CellResult], peaks: dict, info: dict, started: st
              "CPU time is what a call cost whatever share of the cores the other tenants left, so it is the steadier "
              "figure on this shared machine.")
     L.append("- same weights and token ids on both sides (MiniLM: the real all-MiniLM-L6-v2 checkpoint; "
-             "BERT-base: random init exported with export_hf_bert); the last row of every batch is half padding. "
-             "'naive' is our previous BertLayer, compiled the same way, for the before/after of this change.\n")
+             "BERT-base: random init exported with export_hf_bert); the last row of every batch is half padding."
+             + (" 'naive' is our previous BertLayer, compiled the same way, for the before/after of this change.\n"
+                if any("naive" in r.times for r in results) else "\n"))
     has_naive = any("naive" in r.times for r in results)
     has_ma = any("compile-max-autotune" in r.times for r in results)
     head = ["model", "B", "S", "ours ms", "eager ms (impl)", "compile ms"] + (["max-autotune ms"] if has_ma else [])
     head += ["ours/eager", "ours/compile"] + (["ours/naive"] if has_naive else [])
-    head += ["GFLOP/s ours / eager / compile (% of peak)", "GFLOP per CPU-s ours / compile (% of peak)", "max |Δemb| vs eager"]
+    if bf16:
+        head += ["eager f32 ms", "ours/eager f32", "GFLOP/s ours / eager / compile",
+                 "min cos to float32: ours / eager / compile"]
+    else:
+        head += ["GFLOP/s ours / eager / compile (% of peak)", "GFLOP per CPU-s ours / compile (% of peak)",
+                 "max |Δemb| vs eager"]
     L.append("| " + " | ".join(head) + " |")
     L.append("|" + "---|" * len(head))
     sp = lambda r, k: f"{fmt(r.speedup(k), '.2f')}× ({fmt(r.speedup(k, 'cpu'), '.2f')}×)"  # noqa: E731
@@ -387,21 +426,34 @@ def report(args, results: list[CellResult], peaks: dict, info: dict, started: st
         row += [sp(r, best_eager) if best_eager else "–", sp(r, "compile-default")]
         if has_naive:
             row.append(sp(r, "naive"))
+        if bf16:
+            row += [fmt(r.median_ms("f32:eager-sdpa")), sp(r, "f32:eager-sdpa")]
         row.append(" / ".join(fmt(gw(k), ".0f") for k in ("ours", best_eager or "", "compile-default"))
-                   + f" ({' / '.join(fmt(100 * gw(k) / peak_w, '.0f') for k in ('ours', best_eager or '', 'compile-default'))}%)")
-        row.append(" / ".join(fmt(gc(k), ".0f") for k in ("ours", "compile-default"))
-                   + f" ({' / '.join(fmt(100 * gc(k) / peak_c, '.0f') for k in ('ours', 'compile-default'))}%)")
-        row.append(fmt(r.parity.get(best_eager, math.nan), ".1e") if best_eager else "–")
+                   + ("" if bf16 else  # a float32 peak is no yardstick for bf16 dots
+                      f" ({' / '.join(fmt(100 * gw(k) / peak_w, '.0f') for k in ('ours', best_eager or '', 'compile-default'))}%)"))
+        if bf16:
+            row.append(" / ".join(fmt(r.cos_f32.get(k, math.nan), ".6f") for k in ("ours", best_eager or "", "compile-default")))
+        else:
+            row.append(" / ".join(fmt(gc(k), ".0f") for k in ("ours", "compile-default"))
+                       + f" ({' / '.join(fmt(100 * gc(k) / peak_c, '.0f') for k in ('ours', 'compile-default'))}%)")
+            row.append(fmt(r.parity.get(best_eager, math.nan), ".1e") if best_eager else "–")
         L.append("| " + " | ".join(row) + " |")
     L.append("")
     for metric, label in (("wall", "wall time"), ("cpu", "CPU time")):
         e = [r.speedup(_best_eager(r), metric) for r in results if _best_eager(r)]
         c = [r.speedup("compile-default", metric) for r in results]
         n = [r.speedup("naive", metric) for r in results] if has_naive else []
-        L.append(f"- **Goal check on {label}** (ours >= 1.3x eager and >= 1.0x torch.compile, B in {{8, 32}}, S 32-256): "
+        what = "bf16 vs torch autocast bf16, " if bf16 else ""
+        L.append(f"- **Goal check on {label}** ({what}ours >= 1.3x eager and >= 1.0x torch.compile, B in {{8, 32}}, S 32-256): "
                  f">= 1.3x eager in {sum(x >= 1.3 for x in e)}/{len(e)} cells, >= 1.0x compile in "
                  f"{sum(x >= 1.0 for x in c)}/{len(c)} cells; geometric means ours/eager {_gmean(e):.2f}x, "
                  f"ours/compile {_gmean(c):.2f}x" + (f", ours/naive {_gmean(n):.2f}x." if n else "."))
+    if bf16:
+        f = [r.speedup("f32:eager-sdpa") for r in results]
+        L.append(f"- **ours bf16 vs torch eager float32** (what switching precision buys over the float32 peer): "
+                 f">= 1.3x in {sum(x >= 1.3 for x in f)}/{len(f)} cells, geometric mean {_gmean(f):.2f}x; min cosine to "
+                 f"float32 over all cells: ours {min(r.cos_f32.get('ours', 1.0) for r in results):.6f}, torch eager "
+                 f"autocast {min(r.cos_f32.get(_best_eager(r) or '', 1.0) for r in results):.6f}.")
     if any(r.times.get("eager-eager") for r in results):
         L.append("- 'eager' is the faster of attn_implementation sdpa / eager per cell (ms): "
                  + "; ".join(f"{r.model} {r.batch}x{r.seq} {r.median_ms('eager-sdpa'):.0f}/{r.median_ms('eager-eager'):.0f}"
@@ -573,9 +625,10 @@ def main():
     md = report(args, results, peaks, info, started, time.perf_counter() - t_start)
     print(md)
     if args.write:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(md)
-        log(f"wrote {RESULTS}")
+        out = RESULTS_BF16 if args.precision == "bf16" else RESULTS
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(md)
+        log(f"wrote {out}")
 
 
 if __name__ == "__main__":

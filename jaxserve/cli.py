@@ -11,6 +11,7 @@ from pathlib import Path
 MODELS = ("minilm-l6", "vit-demo")
 
 
+from jaxserve.models.precision import PRECISIONS
 from jaxserve.sched import IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES
 
 
@@ -31,7 +32,7 @@ def cmd_warmup(args) -> int:
 
     t0 = time.perf_counter()
     cache = CompileCache(args.cache_dir, rebuild_serialized=True)  # the deploy job fills the fast path
-    settings = ServeSettings(models=_models(args), cache_dir=args.cache_dir)
+    settings = ServeSettings(models=_models(args), cache_dir=args.cache_dir, precision=args.precision)
     runtimes = load_runtimes(settings, cache)
     for name, rt in runtimes.items():
         sources = {}
@@ -42,7 +43,7 @@ def cmd_warmup(args) -> int:
         print("cache:", event)
     if args.prune:
         keep = set().union(*(rt.table.keys() for rt in runtimes.values()))
-        removed = cache.prune({rt.table.servable.name for rt in runtimes.values()}, keep)
+        removed = cache.prune({rt.table.servable.name for rt in runtimes.values()}, keep, args.precision)
         print(f"pruned {removed} stale entries of {', '.join(runtimes)}")
     print(f"manifest: {Path(args.cache_dir) / 'manifest.json'}  ({time.perf_counter() - t0:.1f} s)")
     return 0
@@ -80,7 +81,7 @@ def cmd_serve(args) -> int:
     batches = _ints(args.batch_sizes) or DEFAULT_TEXT_BATCHES
     settings = ServeSettings(
         models=_models(args), cache_dir=args.cache_dir, policy=args.policy, instances=args.instances,
-        max_queue=args.max_queue, max_wait_ms=args.max_wait_ms, cost_model=args.cost_model,
+        max_queue=args.max_queue, max_wait_ms=args.max_wait_ms, cost_model=args.cost_model, precision=args.precision,
         text_grid=text_grid(buckets=_ints(args.buckets), batch_sizes=batches),
         image_grid=ShapeGrid(_ints(args.batch_sizes) or DEFAULT_IMAGE_BATCHES, gammas=_image_gammas(args)),
         extra=_otas_extra(args),
@@ -96,7 +97,7 @@ def cmd_profile(args) -> int:
     from jaxserve.compile_cache import CompileCache
     from jaxserve.profiler import machine_description, profile_table, save_cost_model
     from jaxserve.sched.base import CostModel
-    from serving.server import ServeSettings, example_inputs, load_runtimes
+    from serving.server import ServeSettings, default_cost_model_path, example_inputs, load_runtimes
 
     if args.staircase:
         return _staircase(args)
@@ -105,8 +106,8 @@ def cmd_profile(args) -> int:
 
     cache = CompileCache(args.cache_dir)
     image_grid = ShapeGrid(_ints(args.batch_sizes) or DEFAULT_IMAGE_BATCHES, gammas=_image_gammas(args))
-    runtimes = load_runtimes(ServeSettings(models=_models(args), cache_dir=args.cache_dir, image_grid=image_grid),
-                             cache)
+    runtimes = load_runtimes(ServeSettings(models=_models(args), cache_dir=args.cache_dir, image_grid=image_grid,
+                                           precision=args.precision), cache)
     latency = {
         name: profile_table(rt.table, rt.weights, lambda c, rt=rt: example_inputs(rt, c),
                             repeats=args.repeats, progress=True)
@@ -121,7 +122,7 @@ def cmd_profile(args) -> int:
                 splits = {t: digit_task_split(t, "profile", rt.image_shape) for t in rt.prompts.tasks}
                 accuracy[name] = profile_accuracy(rt, splits, progress=True)
     cost = CostModel(latency=latency, accuracy=accuracy, machine=machine_description())
-    out = Path(args.out or Path(args.cache_dir) / "cost_model.json")
+    out = Path(args.out or default_cost_model_path(args.cache_dir, args.precision))
     save_cost_model(out, cost)
     print(f"cost model: {out}")
     return 0
@@ -291,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     def common(sp):
         sp.add_argument("--model", action="append", choices=MODELS, help="repeatable; default: all")
         sp.add_argument("--cache-dir", default="compiled_cache")
+        sp.add_argument("--precision", default="f32", choices=PRECISIONS,
+                        help="dense-layer matmuls: f32, or bf16 weights with f32 accumulation (fast on CPUs "
+                             "with AMX/AVX512-BF16; embeddings keep cosine >= 0.9999)")
 
     sp = sub.add_parser("warmup", help="compile every executable into the cache")
     common(sp)

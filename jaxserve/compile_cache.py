@@ -102,6 +102,7 @@ class ManifestRow:
     source: str  # "serialized" (fast path), "compiled" (miss), "rebuilt" (corrupt entry replaced),
     #              or "xla-cache" (loaded from XLA's persistent cache; not re-serialized: see CompileCache)
     compile_options: dict = field(default_factory=dict)  # per-cell XLA options (Servable.options_of)
+    precision: str = "f32"  # dense-kernel dtype (jaxserve.models.precision)
 
 
 _compile_counter = {"backend_compiles": 0, "seconds": 0.0, "xla_cache_hits": 0}
@@ -256,18 +257,20 @@ class CompileCache:
         for p in self._paths(key):
             p.unlink(missing_ok=True)
 
-    def prune(self, models: set[str], keep: set[str]) -> int:
-        """Delete the serialized entries of ``models`` whose key is not in ``keep`` (left
-        behind by an older jaxserve, jax, config or grid: they can never load again), and
-        any payload without a sidecar or half-written file. Entries of other models stay.
+    def prune(self, models: set[str], keep: set[str], precision: str = "f32") -> int:
+        """Delete the serialized entries of ``models`` at ``precision`` whose key is not in
+        ``keep`` (left behind by an older jaxserve, jax, config or grid: they can never load
+        again), and any payload without a sidecar or half-written file. Entries of other
+        models, or of the same model at another precision (a deploy may warm both), stay.
         Returns how many entries were removed."""
         removed = 0
         for meta_path in self.exe_dir.glob("*.json"):
             try:
-                model = json.loads(meta_path.read_text()).get("model")
+                meta = json.loads(meta_path.read_text())
+                model, ours = meta.get("model"), meta.get("precision", "f32") == precision
             except ValueError:
-                model = None  # an unreadable sidecar can never load either
-            if meta_path.stem not in keep and (model is None or model in models):
+                model, ours = None, True  # an unreadable sidecar can never load either
+            if meta_path.stem not in keep and (model is None or (model in models and ours)):
                 self.discard(meta_path.stem)
                 removed += 1
         for path in self.exe_dir.iterdir():
@@ -280,7 +283,8 @@ class CompileCache:
                 rows = json.loads(manifest.read_text())["entries"]
             except (ValueError, KeyError):
                 rows = []
-            kept = [r for r in rows if r.get("key") in keep or r.get("model") not in models]
+            kept = [r for r in rows if r.get("key") in keep or r.get("model") not in models
+                    or r.get("precision", "f32") != precision]
             body = {"updated": time.strftime("%Y-%m-%dT%H:%M:%S"), "entries": kept}
             _write_owner_only(manifest, json.dumps(body, indent=1).encode())
         return removed

@@ -69,6 +69,7 @@ class Servable:
     variant_of: Callable[[Cell], str] = lambda cell: ""
     # XLA compiler options per cell (part of the cache key): e.g. polymorph.ynn_off
     options_of: Callable[[Cell], dict[str, str]] = lambda cell: {}
+    precision: str = "f32"  # dense-kernel dtype (jaxserve.models.precision); keyed via the avals
 
     def abstract_args(self, cell: Cell) -> tuple:
         return (self.abstract_state, *self.input_specs(cell))
@@ -106,6 +107,7 @@ class PolymorphTable:
             "cell": cell.label(),
             "variant": s.variant_of(cell),
             "compile_options": s.options_of(cell),
+            "precision": s.precision,
             "avals": avals,
             "env": environment_fingerprint(),
         }
@@ -152,6 +154,7 @@ class PolymorphTable:
             model=s.name, config_hash=s.config_hash, cell=cell.label(), key=key,
             jax=env["jax"], jaxlib=env["jaxlib"], xla_flags=env["xla_flags"],
             compile_seconds=round(seconds, 4), source=source, compile_options=parts["compile_options"],
+            precision=s.precision,
         )
 
     def warmup(self, cells: Sequence[Cell] | None = None, progress: bool = False) -> list[ManifestRow]:

@@ -51,8 +51,9 @@ def text_grid(model: str = "minilm-l6", buckets: tuple[int, ...] | None = None,
 
 
 def load_text_runtime(name: str = "minilm-l6", cache=None, grid: ShapeGrid | None = None,
-                      progress: bool = False, heads_dir: Path | None = None):
-    """MiniLM (or any HF-format BERT dir) warmed over its grid, with its task heads."""
+                      progress: bool = False, heads_dir: Path | None = None, precision: str = "f32"):
+    """MiniLM (or any HF-format BERT dir) warmed over its grid, with its task heads.
+    ``precision``: "f32" or "bf16" dense kernels (jaxserve.models.precision)."""
     from jaxserve.models.bert import load_hf_bert
     from jaxserve.models.tokenizer import TextTokenizer
     from jaxserve.polymorph import PolymorphTable
@@ -62,14 +63,14 @@ def load_text_runtime(name: str = "minilm-l6", cache=None, grid: ShapeGrid | Non
     model_dir = minilm_dir()
     cfg, model = load_hf_bert(model_dir)
     grid = grid or text_grid(name)
-    table = PolymorphTable(bert_servable(name, cfg, grid), cache)
+    table = PolymorphTable(bert_servable(name, cfg, grid, precision), cache)
     table.warmup(progress=progress)
     heads = {}
     heads_dir = heads_dir or ASSETS / "heads" / name
     if heads_dir.exists():
         for f in sorted(heads_dir.glob("*.npz")):
             heads[f.stem] = TaskHead.load(f.stem, f)
-    return ModelRuntime(name, table, weights_of(model), heads, TextTokenizer(model_dir / "tokenizer.json"))
+    return ModelRuntime(name, table, weights_of(model, precision), heads, TextTokenizer(model_dir / "tokenizer.json"))
 
 
 def vit_demo_dir() -> Path:
@@ -99,7 +100,7 @@ def vit_demo_prompts_dir() -> Path:
 
 
 def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | None = None, progress: bool = False,
-                       prompts_dir: Path | None = None):
+                       prompts_dir: Path | None = None, precision: str = "f32"):
     """The demo ViT warmed over its grid, serving every task of its prompt repository.
 
     Each task's prompts and heads come from the repository (jaxserve/prompts.py) and are
@@ -126,7 +127,7 @@ def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | Non
     if missing:
         raise ValueError(f"the prompt repository {prompts_dir} lacks {missing} for gammas {grid.gammas}; "
                          "run `jaxserve train-prompts` or serve other gammas")
-    table = PolymorphTable(vit_servable(name, cfg, grid, repo.prompt_mode, repo.num_classes), cache)
+    table = PolymorphTable(vit_servable(name, cfg, grid, repo.prompt_mode, repo.num_classes, precision), cache)
     table.warmup(progress=progress)
     def head_accuracy(task: str):  # held-out accuracy at gamma 0; the backbone's own for its own head
         measured = repo.entry(task, 0).accuracy
@@ -138,6 +139,6 @@ def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | Non
     if (prompts_dir / "accuracy.json").exists():
         accuracy = load_accuracy_profile(prompts_dir / "accuracy.json", name)
     norm = meta.get("normalisation", {"mean": 0.0, "std": 1.0})
-    return ModelRuntime(name, table, weights_of(model), heads, None,
+    return ModelRuntime(name, table, weights_of(model, precision), heads, None,
                         (cfg.image_size, cfg.image_size, cfg.num_channels), float(norm["mean"]), float(norm["std"]),
                         prompts=repo, accuracy=accuracy)

@@ -7,15 +7,21 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models.bert import BertConfig, abstract_bert, make_encode_fn
+from jaxserve.models.precision import matmul_weights
 from jaxserve.polymorph import Servable, ynn_off
 from jaxserve.sched.base import Cell, ShapeGrid
 
 
-def bert_servable(name: str, cfg: BertConfig, grid: ShapeGrid) -> Servable:
-    """Text encoder cells (batch, seq bucket) -> {'embedding', 'cls'} per row."""
+def bert_servable(name: str, cfg: BertConfig, grid: ShapeGrid, precision: str = "f32") -> Servable:
+    """Text encoder cells (batch, seq bucket) -> {'embedding', 'cls'} per row.
+
+    ``precision`` "bf16" takes bfloat16 dense kernels (jaxserve.models.precision); its
+    weights must be cast the same way (:func:`weights_of`).
+    """
     if grid.max_length > cfg.max_position:
         raise ValueError(f"bucket {grid.max_length} exceeds max_position {cfg.max_position}")
     graphdef, abstract_state = abstract_bert(cfg)
+    abstract_state = matmul_weights(abstract_state, precision)
     encode = make_encode_fn(graphdef)
 
     def specs(cell: Cell):
@@ -25,8 +31,15 @@ def bert_servable(name: str, cfg: BertConfig, grid: ShapeGrid) -> Servable:
     return Servable(
         name=name, kind="text", config_hash=cfg.key(), grid=grid,
         abstract_state=abstract_state, fn_for=lambda cell: encode, input_specs=specs,
-        options_of=bert_options,
+        options_of=bert_options if precision == "f32" else bf16_options, precision=precision,
     )
+
+
+def bf16_options(cell: Cell) -> dict[str, str]:
+    """bf16 cells keep XLA's default YNNPACK fusions at every size: YNNPACK is what runs the
+    bf16 x bf16 -> f32 dots on the CPU's bf16 units. With YNN off, XLA's own dot ran them
+    slower than float32 (MiniLM, time YNN off / on: 8x64 2.7x, 32x256 1.4x)."""
+    return {}
 
 
 def bert_options(cell: Cell) -> dict[str, str]:
@@ -45,7 +58,7 @@ def bert_options(cell: Cell) -> dict[str, str]:
 
 
 def vit_servable(name: str, cfg, grid: ShapeGrid, prompt_mode: str = "replace",
-                 num_classes: int | None = None) -> Servable:
+                 num_classes: int | None = None, precision: str = "f32") -> Servable:
     """Image classifier cells (batch, gamma) -> {'logits' [B, num_classes], 'cls' [B, D]}.
 
     One executable per (gamma, batch size), as OTAS serves (§III-B): gamma's token settings
@@ -58,6 +71,7 @@ def vit_servable(name: str, cfg, grid: ShapeGrid, prompt_mode: str = "replace",
 
     ``num_classes`` (C) is the widest task's class count (default: the backbone's own head);
     narrower heads are zero-padded by the prompt repository and sliced by the runtime.
+    ``precision`` as for :func:`bert_servable` (the task heads and prompts stay float32).
     ``prompt_mode`` is the repository's ('replace' = VPT-deep, the default: cheaper at equal
     accuracy, measured in training/train_prompts.py's docstring). The cache key names gamma,
     the merge schedule, the prompt count, the mode and C, so no two variants share an entry.
@@ -65,6 +79,7 @@ def vit_servable(name: str, cfg, grid: ShapeGrid, prompt_mode: str = "replace",
     from jaxserve.models.vit import abstract_vit, gamma_settings, make_vit_fn
 
     graphdef, abstract_state = abstract_vit(cfg)
+    abstract_state = matmul_weights(abstract_state, precision)
     classes = int(num_classes or cfg.num_classes)
 
     def fn_for(cell: Cell):
@@ -89,7 +104,8 @@ def vit_servable(name: str, cfg, grid: ShapeGrid, prompt_mode: str = "replace",
 
     return Servable(
         name=name, kind="image", config_hash=cfg.key(), grid=grid, abstract_state=abstract_state,
-        fn_for=fn_for, input_specs=specs, variant_of=variant, options_of=vit_options,
+        fn_for=fn_for, input_specs=specs, variant_of=variant,
+        options_of=vit_options if precision == "f32" else bf16_options, precision=precision,
     )
 
 
@@ -105,6 +121,7 @@ def vit_options(cell: Cell) -> dict[str, str]:
     return ynn_off(cell.batch >= 4)
 
 
-def weights_of(model: nnx.Module):
-    """The weights pytree a servable's executables take as their first argument."""
-    return nnx.split(model)[1]
+def weights_of(model: nnx.Module, precision: str = "f32"):
+    """The weights pytree a servable's executables take as their first argument, with the
+    dense kernels in ``precision`` (cast once, here, never per call)."""
+    return matmul_weights(nnx.split(model)[1], precision)

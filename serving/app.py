@@ -294,7 +294,7 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Fas
         for name, rt in eng.runtimes.items():
             g = rt.grid
             out.append({
-                "id": name, "kind": rt.kind, "warm": rt.table.warm,
+                "id": name, "kind": rt.kind, "warm": rt.table.warm, "precision": rt.table.servable.precision,
                 "tasks": {t: list(h.labels) for t, h in rt.heads.items()},
                 "grid": {"batch_sizes": list(g.batch_sizes), "seq_buckets": list(g.seq_buckets),
                          "gammas": list(g.gammas)},

@@ -37,6 +37,7 @@ class ServeSettings:
     max_wait_ms: float = 0.0  # dispatch when an instance is idle; batches form while all are busy
     max_body_bytes: int = 8 * 1024 * 1024
     cost_model: str | None = None
+    precision: str = "f32"  # dense-kernel dtype of every model: "f32" or "bf16" (jaxserve.models.precision)
     progress: bool = True
     text_grid: object = None  # ShapeGrid override (tests use a small one)
     image_grid: object = None
@@ -55,12 +56,20 @@ def load_runtimes(settings: ServeSettings, cache: CompileCache | None) -> dict[s
     runtimes = {}
     for name in settings.models:
         if name == "minilm-l6":
-            runtimes[name] = registry.load_text_runtime(name, cache, settings.text_grid, settings.progress)
+            runtimes[name] = registry.load_text_runtime(name, cache, settings.text_grid, settings.progress,
+                                                        precision=settings.precision)
         elif name == "vit-demo":
-            runtimes[name] = registry.load_image_runtime(name, cache, settings.image_grid, settings.progress)
+            runtimes[name] = registry.load_image_runtime(name, cache, settings.image_grid, settings.progress,
+                                                         precision=settings.precision)
         else:
             raise ValueError(f"unknown model {name!r}; known: minilm-l6, vit-demo")
     return runtimes
+
+
+def default_cost_model_path(cache_dir: str | Path, precision: str = "f32") -> Path:
+    """Where a cache directory keeps its measured cost model: one file per precision, since a
+    bf16 cell's latency is not a float32 cell's."""
+    return Path(cache_dir) / ("cost_model.json" if precision == "f32" else f"cost_model-{precision}.json")
 
 
 def example_inputs(rt: ModelRuntime, cell: Cell) -> tuple:
@@ -198,7 +207,7 @@ def build_engine(settings: ServeSettings) -> Engine:
     cache = CompileCache(settings.cache_dir) if settings.cache_dir else None
     runtimes = load_runtimes(settings, cache)
     cost_path = Path(settings.cost_model) if settings.cost_model else (
-        Path(settings.cache_dir) / "cost_model.json" if settings.cache_dir else None)
+        default_cost_model_path(settings.cache_dir, settings.precision) if settings.cache_dir else None)
     cost = price_cells(runtimes, cost_path, settings.progress)
     policy = make_policy(settings, runtimes, cost)
     return Engine(runtimes, policy, instances=settings.instances, max_queue=settings.max_queue)

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models.attention import attention
+from jaxserve.models.precision import Dense
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,13 @@ class BertLayer(nnx.Module):
         d = cfg.hidden_size
         self.num_heads = cfg.num_heads
         # One fused QKV projection: a single [d, 3d] matmul keeps the CPU's GEMM busy
-        # instead of three thin ones (measured in bench/peer.py).
-        self.qkv = nnx.Linear(d, 3 * d, rngs=rngs)
-        self.attn_out = nnx.Linear(d, d, rngs=rngs)
+        # instead of three thin ones (measured in bench/peer.py). Dense: nnx.Linear whose
+        # dot runs in the kernel's dtype (jaxserve.models.precision).
+        self.qkv = Dense(d, 3 * d, rngs=rngs)
+        self.attn_out = Dense(d, d, rngs=rngs)
         self.attn_norm = nnx.LayerNorm(d, epsilon=cfg.layer_norm_eps, rngs=rngs)
-        self.mlp_in = nnx.Linear(d, cfg.intermediate_size, rngs=rngs)
-        self.mlp_out = nnx.Linear(cfg.intermediate_size, d, rngs=rngs)
+        self.mlp_in = Dense(d, cfg.intermediate_size, rngs=rngs)
+        self.mlp_out = Dense(cfg.intermediate_size, d, rngs=rngs)
         self.mlp_norm = nnx.LayerNorm(d, epsilon=cfg.layer_norm_eps, rngs=rngs)
 
     def __call__(self, x: jax.Array, key_bias: jax.Array) -> jax.Array:

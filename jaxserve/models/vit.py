@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models.attention import attention
+from jaxserve.models.precision import Dense
 from jaxserve.models.tome import bipartite_soft_matching, clamp_merge_r, merge_wavg
 
 
@@ -97,8 +98,8 @@ VIT_CONFIGS: dict[str, ViTConfig] = {
 _init = nnx.initializers.truncated_normal(stddev=0.02)  # timm's init for linears and position embeddings
 
 
-def _linear(n_in: int, n_out: int, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(n_in, n_out, kernel_init=_init, rngs=rngs)
+def _linear(n_in: int, n_out: int, rngs: nnx.Rngs) -> Dense:
+    return Dense(n_in, n_out, kernel_init=_init, rngs=rngs)
 
 
 def _layer_norm(config: ViTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
