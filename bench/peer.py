@@ -94,7 +94,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench.common import bert_flops, bert_inputs, invocation  # noqa: E402
+from bench.common import bert_flops, bert_inputs, invocation, splice  # noqa: E402
 from jaxserve.models.bert import BERT_CONFIGS, BertConfig, export_hf_bert, init_bert, load_hf_bert, pool  # noqa: E402
 from jaxserve.polymorph import PolymorphTable  # noqa: E402
 from jaxserve.registry import minilm_dir  # noqa: E402
@@ -489,6 +489,12 @@ def report(args, results: list[CellResult], peaks: dict, info: dict, started: st
     return "\n".join(L) + "\n"
 
 
+def results_section(md: str, key: str) -> str:
+    """The report as a bench/RESULTS.md section (it carries its own machine, date and command)."""
+    body = md.strip().replace("\n## ", "\n### ")
+    return f"<!-- bench:{key} -->\n#{body}\n<!-- /bench:{key} -->"
+
+
 def _best_eager(r: CellResult) -> str | None:
     """The faster torch eager variant of the cell (by median wall time)."""
     eag = {k: r.median_ms(k) for k in ("eager-sdpa", "eager-eager") if r.times.get(k)}
@@ -628,7 +634,8 @@ def main():
         out = RESULTS_BF16 if args.precision == "bf16" else RESULTS
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(md)
-        log(f"wrote {out}")
+        splice(results_section(md, "peer_bf16" if args.precision == "bf16" else "peer"))
+        log(f"wrote {out} and its section in bench/RESULTS.md")
 
 
 if __name__ == "__main__":

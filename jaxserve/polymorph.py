@@ -33,16 +33,20 @@ from jaxserve.sched.base import Cell, ShapeGrid
 log = logging.getLogger("jaxserve.polymorph")
 
 
-def ynn_off(when: bool, platform: str | None = None) -> dict[str, str]:
+def ynn_off(when: bool, platform: str | None = None, keep: tuple[str, ...] = ()) -> dict[str, str]:
     """The XLA option that keeps YNNPACK out of an executable, where ``when`` and on the CPU.
 
     XLA:CPU (jax 0.10) hands dots and the element-wise work around them to YNNPACK as
     "YNN fusions". For small calls that wins; for large ones the plain XLA emitters are
     faster, and where the crossover lies depends on the model (each servable's
-    ``options_of`` states its rule and the measurements behind it). Other backends: {}.
+    ``options_of`` states its rule and the measurements behind it). ``keep``: YNN fusion
+    kinds to leave on (``"INDIVIDUAL_DOT"``: single dots, nothing fused around them).
+    Other backends: {}.
     """
     platform = platform or jax.default_backend()
-    return {"xla_cpu_experimental_ynn_fusion_type": ""} if when and platform == "cpu" else {}
+    if not when or platform != "cpu":
+        return {}
+    return {"xla_cpu_experimental_ynn_fusion_type": ",".join(f"LIBRARY_FUSION_TYPE_{k}" for k in keep)}
 
 
 class NotWarmError(KeyError):

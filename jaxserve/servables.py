@@ -31,15 +31,19 @@ def bert_servable(name: str, cfg: BertConfig, grid: ShapeGrid, precision: str = 
     return Servable(
         name=name, kind="text", config_hash=cfg.key(), grid=grid,
         abstract_state=abstract_state, fn_for=lambda cell: encode, input_specs=specs,
-        options_of=bert_options if precision == "f32" else bf16_options, precision=precision,
+        options_of=bert_options if precision == "f32" else bert_bf16_options, precision=precision,
     )
 
 
-def bf16_options(cell: Cell) -> dict[str, str]:
-    """bf16 cells keep XLA's default YNNPACK fusions at every size: YNNPACK is what runs the
-    bf16 x bf16 -> f32 dots on the CPU's bf16 units. With YNN off, XLA's own dot ran them
-    slower than float32 (MiniLM, time YNN off / on: 8x64 2.7x, 32x256 1.4x)."""
-    return {}
+def bert_bf16_options(cell: Cell) -> dict[str, str]:
+    """bf16 cells need YNNPACK: it is what runs bf16 x bf16 -> f32 dots on the CPU's bf16
+    units (with YNN off, XLA's own dot ran them slower than float32: MiniLM time off / on
+    8x64 2.7x, 32x256 1.4x). From 4096 rows (batch x bucket) on, as for float32, YNN's big
+    fusions lose, so those cells keep YNN for single dots only (time dots-only / all, median
+    of 3 interleaved rounds, 2-core Xeon): MiniLM 32x128 0.84, 32x256 0.89; BERT-base 32x128
+    0.86, 32x256 0.94. Below 4096 rows all fusions win (MiniLM 8x32 1.14-1.18, 32x64 1.13,
+    8x128 1.14, 8x256 1.19-1.24; BERT-base 32x64 1.11, 8x256 1.16)."""
+    return ynn_off(cell.batch * cell.seq >= 4096, keep=("INDIVIDUAL_DOT",))
 
 
 def bert_options(cell: Cell) -> dict[str, str]:
@@ -105,7 +109,7 @@ def vit_servable(name: str, cfg, grid: ShapeGrid, prompt_mode: str = "replace",
     return Servable(
         name=name, kind="image", config_hash=cfg.key(), grid=grid, abstract_state=abstract_state,
         fn_for=fn_for, input_specs=specs, variant_of=variant,
-        options_of=vit_options if precision == "f32" else bf16_options, precision=precision,
+        options_of=vit_options if precision == "f32" else vit_bf16_options, precision=precision,
     )
 
 
@@ -119,6 +123,14 @@ def vit_options(cell: Cell) -> dict[str, str]:
     batch of ~4 whatever the token count, so the rule counts images, not rows.
     """
     return ynn_off(cell.batch >= 4)
+
+
+def vit_bf16_options(cell: Cell) -> dict[str, str]:
+    """bf16 ViT cells keep every YNN fusion at every batch: unlike float32 (YNN off from batch
+    4), the bf16 dots need YNNPACK, and its fusions won or tied throughout (time with YNN off /
+    dots-only / all, 2-core Xeon): vit-demo batch 8 2.1 / 1.4 / 1.4 ms, 32 6.1 / 4.3 / 4.3 ms;
+    ViT-S/16 batch 8 383 / 213 / 184 ms, 32 1526 / 1244 / 1231 ms."""
+    return {}
 
 
 def weights_of(model: nnx.Module, precision: str = "f32"):

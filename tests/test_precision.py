@@ -59,12 +59,15 @@ def test_matmul_weights_casts_dense_kernels_only():
 
 
 def test_bf16_cells_run_bf16_dots_with_their_own_keys_and_options():
-    grid = ShapeGrid((32,), (128,))  # 4096 rows: float32 turns YNNPACK off here, bf16 keeps it
+    grid = ShapeGrid((32,), (128,))  # 4096 rows: float32 turns YNNPACK off, bf16 keeps it for its dots
     f32 = PolymorphTable(bert_servable("t", TINY, grid, "f32"))
     bf16 = PolymorphTable(bert_servable("t", TINY, grid, "bf16"))
     assert not f32.keys() & bf16.keys()
     cell = Cell(32, 128)
-    assert f32.servable.options_of(cell) and bf16.servable.options_of(cell) == {}
+    option = "xla_cpu_experimental_ynn_fusion_type"
+    assert f32.servable.options_of(cell) == {option: ""}
+    assert bf16.servable.options_of(cell) == {option: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+    assert bf16.servable.options_of(Cell(8, 128)) == {}  # below 4096 rows: every YNN fusion
     model = init_bert(TINY)
     ids, mask = pad_token_batch([list(range(1000, 1000 + n)) for n in (5, 60, 128)], cell)
     f32.warm_cell(cell)
