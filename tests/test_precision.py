@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from conftest import FIXTURES
-from jaxserve.compile_cache import CompileCache
+from jaxserve.compile_cache import CompileCache, compile_count
 from jaxserve.datasets import digits_examples
 from jaxserve.models.bert import BERT_CONFIGS, init_bert
 from jaxserve.models.precision import Dense, kernel_dtypes, matmul_weights
@@ -45,7 +45,10 @@ def test_matmul_weights_casts_dense_kernels_only():
     model = init_bert(TINY)
     state = nnx.split(model)[1]
     assert matmul_weights(state, "f32") is state
-    before, after = kernel_dtypes(state), kernel_dtypes(matmul_weights(state, "bf16"))
+    compiles = compile_count()
+    cast = matmul_weights(state, "bf16")
+    assert compile_count() == compiles  # cast on the host: loading a model compiles nothing
+    before, after = kernel_dtypes(state), kernel_dtypes(cast)
     kernels = {p for p in after if p.endswith("/kernel")}
     assert len(kernels) == 4 * TINY.num_layers
     for path, dtype in after.items():

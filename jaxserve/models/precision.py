@@ -68,7 +68,7 @@ def matmul_weights(state, precision: str):
     def cast(value):
         if isinstance(value, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(value.shape, dtype)
-        return jnp.asarray(value, dtype=dtype)
+        return jax.device_put(np.asarray(value).astype(dtype))  # cast on the host: nothing to compile
 
     flat = [(path, v.replace(cast(v.get_value())) if _is_dense_kernel(path, v.get_value()) else v)
             for path, v in nnx.to_flat_state(state)]
