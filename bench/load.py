@@ -277,6 +277,8 @@ def main():
     ap.add_argument("--arrivals", default="poisson,mmpp", help="arrival processes for the first worker count "
                     "(the others and the naive peer run Poisson)")
     ap.add_argument("--log-dir", default="", help="keep the servers' output here (default: discarded)")
+    ap.add_argument("--precision", default="f32", choices=("f32", "bf16"),
+                    help="serve --precision for jaxserve and the naive peer alike")
     ap.add_argument("--key", default="load", help="RESULTS.md section")
     ap.add_argument("--out", default="", help="write the RESULTS.md section to this file instead "
                     "(to splice in elsewhere: python -m bench.common splice FILE)")
@@ -297,7 +299,8 @@ def main():
     # jaxserve warms up; both are warm before any load is sent, so neither sweep shares the
     # machine with a compile
     naive_url = f"http://127.0.0.1:{args.port + 1}"
-    naive = start([py, "-m", "bench.naive_server", "--port", str(args.port + 1)], naive_url, logs["naive"], wait=False)
+    naive = start([py, "-m", "bench.naive_server", "--port", str(args.port + 1), "--precision", args.precision],
+                  naive_url, logs["naive"], wait=False)
     atexit.register(stop, naive)  # however this script ends
     naive_warm_error = []
 
@@ -311,12 +314,14 @@ def main():
     naive_warmer = threading.Thread(target=warm_naive_bg, daemon=True)
     naive_warmer.start()
 
+    peer_label = "naive FastAPI + jit" + (f" {args.precision}" if args.precision != "f32" else "")
     overhead = overhead_httpx = float("nan")
     for n, instances in enumerate(instance_counts):
-        label = f"jaxserve, {instances} worker{'s' if instances > 1 else ''}"
+        label = (f"jaxserve{' ' + args.precision if args.precision != 'f32' else ''}, "
+                 f"{instances} worker{'s' if instances > 1 else ''}")
         server = start([py, "-m", "jaxserve.cli", "serve", "--model", "minilm-l6", "--port", str(args.port),
                         "--instances", str(instances), "--cache-dir", args.cache_dir,
-                        "--max-queue", str(args.max_queue)], url, logs["jaxserve"])
+                        "--max-queue", str(args.max_queue), "--precision", args.precision], url, logs["jaxserve"])
         naive_warmer.join()
         try:
             if n == 0:  # HTTP overhead at batch 1, one request at a time
@@ -343,7 +348,7 @@ def main():
         knees[("naive", "poisson")] = knee(res, args.slo_ms)
         for r in res:
             error_kinds.update({f"naive: {k}": v for k, v in r.error_kinds.items()})
-            rows.append(["naive FastAPI + jit", "poisson", f"{r.offered:.0f}", f"{r.throughput:.1f}",
+            rows.append([peer_label, "poisson", f"{r.offered:.0f}", f"{r.throughput:.1f}",
                          f"{r.pct(50):.1f}", f"{r.pct(98):.1f}", f"{r.pct(99):.1f}",
                          f"{r.attainment(args.slo_ms):.3f}", str(r.rejected), str(r.evicted), str(r.errors)])
     finally:
@@ -357,7 +362,7 @@ def main():
         return f"{k.throughput:.1f}/s (offered {k.offered:.0f}/s, p98 {k.pct(98):.0f} ms)" if k else "none"
 
     ratios = {}
-    knee_lines = [f"naive FastAPI + jit: {knee_text(peer)}"]
+    knee_lines = [f"{peer_label}: {knee_text(peer)}"]
     for (label, kind), k in knees.items():
         if label == "naive":
             continue
@@ -367,7 +372,9 @@ def main():
         knee_lines.append(f"{label} ({kind}): {knee_text(k)}" + (f" → **{ratio:.1f}×** the naive peer"
                                                                    if kind == "poisson" else ""))
     notes = (f"SLO {args.slo_ms:.0f} ms on p98; {args.duration:.0f} s per rate; real tweets; MiniLM default grid, "
-             f"default policy, max queue {args.max_queue}; load generator on the same {os.cpu_count()} cores.  \nHTTP overhead (client p50 at batch 1 "
+             + (f"--precision {args.precision} on both servers (bf16 dense kernels, jaxserve/models/precision.py), "
+                if args.precision != "f32" else "")
+             + f"default policy, max queue {args.max_queue}; load generator on the same {os.cpu_count()} cores.  \nHTTP overhead (client p50 at batch 1 "
              f"minus engine queue+compute, stdlib http.client keep-alive client): **{overhead:.2f} ms** (goal ≤ 2 ms; "
              f"with an httpx client {overhead_httpx:.2f} ms).  \nKnee = the highest "
              f"throughput whose p98 ≤ SLO with ≥ 99% answered on time (goal: jaxserve ≥ 3× the naive peer):  \n"
@@ -376,7 +383,8 @@ def main():
              + ("; ".join(f"{k} ×{v}" for k, v in error_kinds.most_common()) or "none"))
     print(text)
     print(notes)
-    title = "Open-loop load: throughput, latency and the knee"
+    title = "Open-loop load: throughput, latency and the knee" + (
+        f" (--precision {args.precision}, both servers)" if args.precision != "f32" else "")
     if args.out:
         Path(args.out).write_text(section(args.key, title, text, notes))
     elif args.write:

@@ -1,6 +1,7 @@
 """The peer for bench/load.py: a plain FastAPI endpoint that runs the jitted MiniLM once
 per request — no batching, no buckets, no queue; ``jax.jit`` compiles each new length
-on first sight, as a straightforward JAX service would."""
+on first sight, as a straightforward JAX service would. ``--precision bf16`` gives it
+jaxserve's bf16 dense kernels (jaxserve/models/precision.py), for a like-for-like peer."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from flax import nnx
 from pydantic import BaseModel
 
 from jaxserve.models.bert import load_hf_bert, make_encode_fn
+from jaxserve.models.precision import PRECISIONS, matmul_weights
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.registry import minilm_dir
 
@@ -23,9 +25,10 @@ class Req(BaseModel):
     slo_ms: float | None = None
 
 
-def build() -> FastAPI:
+def build(precision: str = "f32") -> FastAPI:
     cfg, model = load_hf_bert(minilm_dir())
     graphdef, state = nnx.split(model)
+    state = matmul_weights(state, precision)
     encode = jax.jit(make_encode_fn(graphdef))
     tok = TextTokenizer(minilm_dir() / "tokenizer.json")
     app = FastAPI()
@@ -46,5 +49,6 @@ def build() -> FastAPI:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, default=8001)
+    ap.add_argument("--precision", default="f32", choices=PRECISIONS)
     args = ap.parse_args()
-    uvicorn.run(build(), host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(build(args.precision), host="127.0.0.1", port=args.port, log_level="warning")
