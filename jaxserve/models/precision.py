@@ -8,8 +8,9 @@ CPU counterpart of TF32 on a GPU: on a CPU with AMX / AVX512-BF16, XLA hands bf1
 f32 dots to YNNPACK, which ran a 2048^3 matmul at 1,030 GFLOP/s against 290 in float32 on
 the 2-core Xeon here (same process, same minute).
 
-Measured on all-MiniLM-L6-v2 (time bf16 / f32, interleaved, 2-core Xeon with AMX): 8x64
-0.51, 32x32 0.41, 8x256 0.55, 32x256 0.76 (attention, still float32, takes a growing share).
+Measured on all-MiniLM-L6-v2 (time bf16 / f32, 2-core Xeon with AMX; interleaved in one run,
+and across the two bench/peer.py tables): 8x64 0.41-0.51, 32x32 0.36-0.41, 8x256 0.54-0.55,
+32x256 0.75-0.76 (attention, still float32, takes a growing share as sequences grow).
 Sentence embeddings keep cosine >= 0.9999 to the float32 ones (tests/test_precision.py checks
 the real checkpoint on the parity sentences; bench/peer.py --precision bf16 reports it per
 cell). A CPU without bf16 dot units runs these dots slower than float32: the mode is opt-in
