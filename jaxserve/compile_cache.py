@@ -263,14 +263,20 @@ class CompileCache:
         again), and any payload without a sidecar or half-written file. Entries of other
         models, or of the same model at another precision (a deploy may warm both), stay.
         Returns how many entries were removed."""
+        def stale(key: str, entry: dict | None) -> bool:  # a sidecar or a manifest row; None: unreadable
+            if key in keep:
+                return False
+            return entry is None or (entry.get("model") in models and entry.get("precision", "f32") == precision)
+
         removed = 0
         for meta_path in self.exe_dir.glob("*.json"):
             try:
                 meta = json.loads(meta_path.read_text())
-                model, ours = meta.get("model"), meta.get("precision", "f32") == precision
             except ValueError:
-                model, ours = None, True  # an unreadable sidecar can never load either
-            if meta_path.stem not in keep and (model is None or (model in models and ours)):
+                meta = None
+            if not isinstance(meta, dict) or meta.get("model") is None:
+                meta = None  # a sidecar that names no model can never load either
+            if stale(meta_path.stem, meta):
                 self.discard(meta_path.stem)
                 removed += 1
         for path in self.exe_dir.iterdir():
@@ -283,8 +289,7 @@ class CompileCache:
                 rows = json.loads(manifest.read_text())["entries"]
             except (ValueError, KeyError):
                 rows = []
-            kept = [r for r in rows if r.get("key") in keep or r.get("model") not in models
-                    or r.get("precision", "f32") != precision]
+            kept = [r for r in rows if not stale(r.get("key"), r)]
             body = {"updated": time.strftime("%Y-%m-%dT%H:%M:%S"), "entries": kept}
             _write_owner_only(manifest, json.dumps(body, indent=1).encode())
         return removed

@@ -73,7 +73,7 @@ class Servable:
     variant_of: Callable[[Cell], str] = lambda cell: ""
     # XLA compiler options per cell (part of the cache key): e.g. polymorph.ynn_off
     options_of: Callable[[Cell], dict[str, str]] = lambda cell: {}
-    precision: str = "f32"  # dense-kernel dtype (jaxserve.models.precision); keyed via the avals
+    precision: str = "f32"  # dense-kernel dtype (jaxserve.models.precision); part of the cache key
 
     def abstract_args(self, cell: Cell) -> tuple:
         return (self.abstract_state, *self.input_specs(cell))

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-PRECISIONS = ("f32", "bf16")
 _KERNEL_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
+PRECISIONS = tuple(_KERNEL_DTYPES)
 
 
 class Dense(nnx.Linear):
@@ -49,12 +49,6 @@ class Dense(nnx.Linear):
         return y
 
 
-def check_precision(precision: str) -> str:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
-    return precision
-
-
 def _is_dense_kernel(path: tuple, value) -> bool:
     return bool(path) and str(path[-1]) == "kernel" and len(getattr(value, "shape", ())) == 2
 
@@ -62,9 +56,11 @@ def _is_dense_kernel(path: tuple, value) -> bool:
 def matmul_weights(state, precision: str):
     """``state`` (an ``nnx.split`` weights pytree, concrete or abstract) with every dense
     kernel in ``precision``'s dtype; other leaves untouched. f32 returns ``state`` itself."""
-    dtype = _KERNEL_DTYPES[check_precision(precision)]
+    if precision not in _KERNEL_DTYPES:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
     if precision == "f32":
         return state
+    dtype = _KERNEL_DTYPES[precision]
 
     def cast(value):
         if isinstance(value, jax.ShapeDtypeStruct):
