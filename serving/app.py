@@ -4,15 +4,24 @@ No scheduling logic and no model code live here (DESIGN.md). Error mapping:
 
 =========================================  ======
 malformed JSON, unknown/missing field,      422
-empty or too many inputs, bad image,
-non-finite numbers, ``slo_ms`` <= 0
+wrong JSON type, empty or too many inputs,
+text that is not valid Unicode (a lone
+surrogate), bad image, non-finite numbers,
+``slo_ms`` <= 0
+body that is not ``application/json``       415
+a body FastAPI cannot parse (nested         400
+deeper than Python's recursion limit)
 text longer than the longest bucket         413 (unless ``truncate: true``)
 body over ``max_body_bytes``                413
 unknown model or task                       404
+no such route / method                      404 / 405 (with Allow)
 queue full (admission control)              429 + Retry-After
 not warm yet / shutting down                503
 a batch that failed twice on its worker     500
+anything unforeseen (a bug)                 500, logged with its traceback
 =========================================  ======
+
+Every error, whatever raised it, is JSON ``{"error": {"status", "message", "field"}}``.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.engine import Answer, Draining, Engine, ExecutionFailed, Item, Overloaded
 from serving.metrics import Metrics
@@ -62,17 +72,73 @@ class ServerState:
 
 
 def _error(status: int, message: str, field: str | None = None, headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"status": status, "message": message}}
+    body = {"error": {"status": status, "message": _printable(message)}}
     if field:
-        body["error"]["field"] = field
+        body["error"]["field"] = _printable(field)
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-class BodyLimit:
-    """Pure-ASGI guard: a body over ``limit`` bytes is answered 413 before it is parsed."""
+def _printable(text: str) -> str:
+    """Client text echoed in an error (a field name, say) may hold a lone surrogate, which no
+    UTF-8 response can carry: it is written as its escape, so the error itself cannot fail."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+
+# pydantic error types that mean "not this JSON type"; under a union (``str | list[str]``)
+# every branch reports one, so they are merged into "expected a string or a list".
+_EXPECTED = {"string_type": "a string", "list_type": "a list", "float_type": "a number",
+             "float_parsing": "a number", "int_type": "an integer", "int_parsing": "an integer",
+             "bool_type": "true or false", "bool_parsing": "true or false", "dict_type": "a JSON object",
+             "model_attributes_type": "a JSON object"}
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str]:
+    """(field, message) for pydantic's errors, as a client reads them: ``input[1]``, not
+    ``body.input.list[function-after[...]].1``. Union branch tags are dropped; an error about
+    the value (a limit, bad Unicode, a missing field) wins over a branch's type mismatch; the
+    deepest field wins next, and type mismatches at one field merge into what was expected."""
+
+    def field_of(loc) -> tuple[str, int]:
+        out, depth = "", 0
+        for part in loc:
+            if isinstance(part, int):
+                out, depth = f"{out}[{part}]", depth + 1
+            elif part != "body" and "[" not in part and part not in ("str", "int", "float", "bool"):
+                out, depth = f"{out}.{part}" if out else part, depth + 1
+        return out or "body", depth
+
+    if not errors:
+        return "body", "invalid request"
+    if errors[0].get("type") == "json_invalid":  # loc: ("body", character offset)
+        loc, why = errors[0].get("loc", ()), (errors[0].get("ctx") or {}).get("error", "")
+        where = f" at character {loc[-1]}" if loc and isinstance(loc[-1], int) else ""
+        return "body", f"malformed JSON body ({why}{where})" if why else "malformed JSON body"
+    rows = [(field_of(e.get("loc", ())), e) for e in errors]
+    about_value = [r for r in rows if r[1].get("type") not in _EXPECTED]
+    pool = about_value or rows
+    (field, _), _ = max(pool, key=lambda r: r[0][1])
+    chosen = [e for (f, _), e in pool if f == field]
+    if chosen[0].get("type") == "string_unicode":  # pydantic-core's own check, e.g. on a key: no loc
+        return field, "holds a string that is not valid Unicode (a lone UTF-16 surrogate)"
+    if chosen[0].get("type") == "extra_forbidden":
+        return field, "unknown field"
+    if all(e.get("type") in _EXPECTED for e in chosen):
+        expected = list(dict.fromkeys(_EXPECTED[e["type"]] for e in chosen))
+        return field, "expected " + " or ".join(expected)
+    return field, "; ".join(dict.fromkeys(e.get("msg", "invalid").removeprefix("Value error, ") for e in chosen))
+
+
+class Guard:
+    """Pure-ASGI wrapper around the app.
+
+    - A body over ``limit`` bytes is answered 413 before it is parsed.
+    - An exception nobody anticipated (a bug) is logged and answered with the API's JSON 500
+      here, instead of Starlette's default, which answers a text page and then re-raises, so
+      uvicorn closes the connection and a keep-alive client's next request fails too.
+    """
+
+    def __init__(self, app, limit: int, metrics: Metrics):
+        self.app, self.limit, self.metrics = app, limit, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -80,8 +146,8 @@ class BodyLimit:
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._reject(send)
-        seen = 0
+            return await self._answer(send, _error(413, f"request body exceeds the limit of {self.limit} bytes", "body"))
+        seen, started = 0, False
 
         async def counted():
             nonlocal seen
@@ -92,15 +158,28 @@ class BodyLimit:
                     raise _TooLarge()
             return message
 
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await self._reject(send)
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
 
-    async def _reject(self, send):
-        resp = _error(413, f"request body exceeds the limit of {self.limit} bytes", "body")
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json")]})
+        try:
+            await self.app(scope, counted, tracked)
+        except _TooLarge:
+            await self._answer(send, _error(413, f"request body exceeds the limit of {self.limit} bytes", "body"))
+        except Exception as exc:
+            if started:  # half an answer is out: nothing sound is left to send
+                raise
+            log.exception("unhandled error on %s", scope.get("path"))
+            self.metrics.request_done(scope.get("path", ""), 500)
+            await self._answer(send, _error(500, f"internal error ({type(exc).__name__}); the server log has "
+                                                 "the traceback"))
+
+    @staticmethod
+    async def _answer(send, resp: JSONResponse):
+        await send({"type": "http.response.start", "status": resp.status_code,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(resp.body)).encode())]})
         await send({"type": "http.response.body", "body": resp.body})
 
 
@@ -169,7 +248,7 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Fas
     metrics = Metrics(state)
     app.state.jaxserve = state
     app.state.metrics = metrics
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    app.add_middleware(Guard, limit=max_body_bytes, metrics=metrics)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -178,16 +257,25 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Fas
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media and not (media == "application/json" or media.endswith("+json")):
+            # FastAPI hands a non-JSON body to the model as bytes; say what is wrong instead.
+            metrics.request_done(request.url.path, 415)
+            return _error(415, f"content-type {media!r} is not supported; send application/json", "content-type")
+        loc, msg = validation_message(exc.errors())
         metrics.request_done(request.url.path, 422)
-        msg = first.get("msg", "invalid")
-        if first.get("type") == "json_invalid":
-            msg = "malformed JSON body"
-        elif first.get("type") == "extra_forbidden":
-            msg = "unknown field"
         return _error(422, f"{loc}: {msg}", loc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """Routing errors (404, 405 with Allow) and FastAPI's 400 for a body it cannot parse
+        (e.g. JSON nested deeper than Python's recursion limit), in the API's error format."""
+        # An unmatched path is not a label: scanners would grow the metrics without bound.
+        metrics.request_done("<unmatched>" if exc.status_code == 404 else request.url.path, exc.status_code)
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(
+            exc.status_code, f"{exc.detail}")
+        return _error(exc.status_code, message, "body" if exc.status_code == 400 else None, exc.headers)
 
     def engine() -> Engine:
         if state.engine is None:

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 MAX_ITEMS = 64  # inputs per request; more is a 422 naming this limit
+
+
+def _unicode(v: str) -> str:
+    """JSON may carry a lone UTF-16 surrogate (``"\\udc00"``); Python decodes it into a str
+    that no tokenizer or UTF-8 encoder accepts, so it is refused here, naming the position."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"contains a lone UTF-16 surrogate (U+{ord(v[exc.start]):04X}) at character "
+                         f"{exc.start}; text must be valid Unicode") from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+# slo_ms and utility are finite: JSON's NaN/Infinity (which Python's parser accepts) are 422s.
+SloMs = Annotated[float | None, Field(default=None, gt=0, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
@@ -14,10 +30,10 @@ class _Strict(BaseModel):
 
 
 class EmbeddingsRequest(_Strict):
-    model: str = "minilm-l6"
-    input: str | list[str]
+    model: Text = "minilm-l6"
+    input: Text | list[Text]
     truncate: bool = False
-    slo_ms: float | None = Field(default=None, gt=0)
+    slo_ms: SloMs = None
 
     @field_validator("input")
     @classmethod
@@ -31,10 +47,10 @@ class EmbeddingsRequest(_Strict):
 
 
 class _Classify(_Strict):
-    model: str
-    task: str
-    slo_ms: float | None = Field(default=None, gt=0)
-    utility: float = Field(default=1.0, ge=0)
+    model: Text
+    task: Text
+    slo_ms: SloMs = None
+    utility: float = Field(default=1.0, ge=0, allow_inf_nan=False)
 
     @field_validator("inputs", check_fields=False)
     @classmethod
@@ -47,15 +63,15 @@ class _Classify(_Strict):
 
 
 class ClassifyTextRequest(_Classify):
-    model: str = "minilm-l6"
-    task: str = "sentiment"
-    inputs: list[str]
+    model: Text = "minilm-l6"
+    task: Text = "sentiment"
+    inputs: list[Text]
     truncate: bool = False
 
 
 class ClassifyImageRequest(_Classify):
-    model: str = "vit-demo"
-    task: str = "digits"
+    model: Text = "vit-demo"
+    task: Text = "digits"
     inputs: list[str | list[Any]]
 
 

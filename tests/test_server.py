@@ -136,6 +136,54 @@ def test_bad_input_gets_a_clear_error(client, path, payload, status, needle):
     assert needle in r.json()["error"]["message"] or needle in r.json()["error"].get("field", "")
 
 
+def test_errors_name_the_field_in_one_format(client):
+    """Whatever rejects a request (pydantic, FastAPI's parser, the router) answers the API's
+    JSON error naming the field as a client writes it; text that is not valid Unicode is a
+    422, not a crash in the tokenizer; non-finite numbers are refused."""
+    import json
+
+    def post(path, payload=None, content=None, ctype="application/json"):
+        body = content if content is not None else json.dumps(payload)
+        return client.post(path, content=body, headers={"content-type": ctype})
+
+    cases = [
+        (post("/v1/embeddings", {"input": ["fine", "bad \udc00 text"]}), 422, "input[1]", "surrogate"),
+        (post("/v1/classify/text", {"inputs": ["\ud800"]}), 422, "inputs[0]", "U+D800"),
+        (post("/v1/embeddings", {"input": "x", "\udc00": 1}), 422, "body", "not valid Unicode"),
+        (post("/v1/embeddings", {"input": [123]}), 422, "input[0]", "expected a string"),
+        (post("/v1/embeddings", {"input": 5}), 422, "input", "a string or a list"),
+        (post("/v1/classify/image", {"inputs": [None]}), 422, "inputs[0]", "a string or a list"),
+        (post("/v1/embeddings", {"input": "x", "slo_ms": float("inf")}), 422, "slo_ms", "finite"),
+        (post("/v1/classify/text", {"inputs": ["x"], "utility": float("inf")}), 422, "utility", "finite"),
+        (post("/v1/embeddings", content=b"{\"input\": [1,", ctype="application/json"), 422, "body", "malformed JSON"),
+        (post("/v1/embeddings", {"input": "x"}, ctype="text/plain"), 415, "content-type", "application/json"),
+        (post("/v1/embeddings", content="[" * 100_000 + "]" * 100_000), 400, "body", "pars"),
+        (client.get("/v1/embeddings"), 405, None, "not allowed"),
+        (client.get("/v2/nothing"), 404, None, "no route"),
+    ]
+    for r, status, field, needle in cases:
+        assert r.status_code == status, (status, r.text)
+        err = r.json()["error"]
+        assert err["status"] == status and needle in err["message"], r.text
+        assert err.get("field") == field, r.text
+    assert "POST" in cases[-2][0].headers["allow"]
+    metrics = client.get("/metrics").text
+    assert 'path="<unmatched>",status="404"' in metrics and "/v2/nothing" not in metrics
+    assert client.post("/v1/embeddings", json={"input": ["still serving"]}).status_code == 200
+
+
+def test_an_unforeseen_error_is_a_json_500_and_the_server_stays_up(server, client):
+    """A handler that raises something no one anticipated (here a route added for the test
+    that divides by zero) answers the API's JSON 500, counted in metrics, and serving goes on."""
+    if not any(getattr(r, "path", "") == "/test/boom" for r in server.app.routes):
+        server.app.add_api_route("/test/boom", lambda: 1 / 0, methods=["GET"])
+    r = client.get("/test/boom")
+    assert r.status_code == 500
+    assert "ZeroDivisionError" in r.json()["error"]["message"]
+    assert 'path="/test/boom",status="500"' in client.get("/metrics").text
+    assert client.post("/v1/embeddings", json={"input": "after the bug"}).status_code == 200
+
+
 def test_truncation_on_request(client):
     r = client.post("/v1/embeddings", json={"input": "word " * 100, "truncate": True})
     assert r.status_code == 200
