@@ -70,7 +70,8 @@ def load_text_runtime(name: str = "minilm-l6", cache=None, grid: ShapeGrid | Non
     if heads_dir.exists():
         for f in sorted(heads_dir.glob("*.npz")):
             heads[f.stem] = TaskHead.load(f.stem, f)
-    return ModelRuntime(name, table, weights_of(model, precision), heads, TextTokenizer(model_dir / "tokenizer.json"))
+    return ModelRuntime(name, table, weights_of(model, precision), heads, TextTokenizer(model_dir / "tokenizer.json"),
+                        embedding_dim=cfg.hidden_size)
 
 
 def vit_demo_dir() -> Path:

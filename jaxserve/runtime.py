@@ -81,6 +81,7 @@ class ModelRuntime:
     pixel_std: float = 1.0
     prompts: Any = None  # jaxserve.prompts.PromptRepository: per-sample prompts and heads (images)
     accuracy: AccuracyProfile | None = None  # profiled accuracy per (task, gamma), for OTAS policies
+    embedding_dim: int | None = None  # width of a text model's sentence embedding
 
     @property
     def kind(self) -> str:

@@ -332,12 +332,21 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Fas
     @app.post("/v1/embeddings", response_model=EmbeddingsResponse)
     async def embeddings(req: EmbeddingsRequest):
         rt = runtime(req.model, "text")
+        if req.dimensions is not None and req.dimensions != rt.embedding_dim:
+            raise ApiError(422, f"dimensions={req.dimensions}: {rt.name} embeds into exactly {rt.embedding_dim} "
+                                "dimensions", "dimensions")
         texts = [req.input] if isinstance(req.input, str) else req.input
         ids = tokenize(rt, texts, req.truncate, "input")
         answers = await run_items(
             [Item(req.model, seq, len(seq), "", req.slo_ms) for seq in ids], "/v1/embeddings")
-        data = [{"object": "embedding", "index": i, "meta": _meta(a),
-                 "embedding": None if a.outcome == "evicted" else np.asarray(a.outputs["embedding"], np.float32)}
+
+        def vector(a: Answer):
+            if a.outcome == "evicted":
+                return None
+            v = np.asarray(a.outputs["embedding"], "<f4")
+            return base64.b64encode(v.tobytes()).decode() if req.encoding_format == "base64" else v
+
+        data = [{"object": "embedding", "index": i, "meta": _meta(a), "embedding": vector(a)}
                 for i, a in enumerate(answers)]
         metrics.request_done("/v1/embeddings", 200)
         tokens = sum(map(len, ids))
@@ -387,6 +396,7 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Fas
                 "grid": {"batch_sizes": list(g.batch_sizes), "seq_buckets": list(g.seq_buckets),
                          "gammas": list(g.gammas)},
                 "max_tokens": g.max_length if rt.kind == "text" else None,
+                "embedding_dim": rt.embedding_dim,
                 "image_shape": list(rt.image_shape) if rt.image_shape else None,
             })
         return {"ready": True, "models": out, "policy": type(eng.policy).__name__, **state.info}

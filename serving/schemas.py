@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
@@ -30,10 +30,20 @@ class _Strict(BaseModel):
 
 
 class EmbeddingsRequest(_Strict):
+    """OpenAI's embeddings request, plus ``truncate`` and ``slo_ms``. ``encoding_format``
+    "base64" is what OpenAI's own Python client asks for unless told otherwise: the vector's
+    little-endian float32 bytes, base64-encoded. ``dimensions`` must equal the model's width
+    (MiniLM is not trained to be cut short, so a shorter vector would not be a good one);
+    ``user`` is accepted and ignored. Token-id inputs (OpenAI's lists of ints) are refused:
+    ids from another tokenizer would embed garbage."""
+
     model: Text = "minilm-l6"
     input: Text | list[Text]
     truncate: bool = False
     slo_ms: SloMs = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, gt=0)
+    user: Text | None = None
 
     @field_validator("input")
     @classmethod
@@ -91,7 +101,7 @@ class Meta(BaseModel):
 class EmbeddingItem(BaseModel):
     object: str = "embedding"
     index: int
-    embedding: list[float] | None
+    embedding: list[float] | str | None  # str: base64 float32 (encoding_format "base64")
     meta: Meta
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures as cf
 import socket
 import threading
@@ -91,6 +92,30 @@ def test_embeddings_match_sentence_transformers_vectors(client):
         assert v @ fx["embeddings"][i] >= 0.99999
         assert d["meta"]["outcome"] == "ok" and d["meta"]["shape"].startswith("b")
     assert body["usage"]["prompt_tokens"] == int(sum(fx["lengths"][picks]))
+
+
+def test_openai_python_client_gets_the_reference_vectors(server, client):
+    """OpenAI's own Python client, pointed at the server: it asks for base64 float32 unless
+    told otherwise, so both encodings must give the reference all-MiniLM-L6-v2 vectors."""
+    import openai
+
+    fx = np.load(FIXTURES / "minilm_parity.npz")
+    picks = [i for i, n in enumerate(fx["lengths"]) if n <= 64][:3]
+    texts = [str(fx["sentences"][i]) for i in picks]
+    oc = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    for fmt in ({}, {"encoding_format": "float"}):  # omitted: the client sends encoding_format="base64"
+        res = oc.embeddings.create(model="minilm-l6", input=texts, **fmt)
+        assert [d.index for d in res.data] == list(range(len(picks)))
+        for d, i in zip(res.data, picks):
+            assert len(d.embedding) == 384 and np.array(d.embedding) @ fx["embeddings"][i] >= 0.99999
+        assert res.usage.prompt_tokens == int(sum(fx["lengths"][picks]))
+    assert oc.embeddings.create(model="minilm-l6", input="x", dimensions=384, user="u1").data[0].embedding
+    with pytest.raises(openai.UnprocessableEntityError, match="exactly 384"):
+        oc.embeddings.create(model="minilm-l6", input="x", dimensions=128)
+    raw = client.post("/v1/embeddings", json={"input": texts[0], "encoding_format": "base64"}).json()
+    flt = client.post("/v1/embeddings", json={"input": texts[0]}).json()
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), "<f4")
+    np.testing.assert_array_equal(decoded, np.array(flt["data"][0]["embedding"], np.float32))
 
 
 def test_single_string_input_and_metadata(client):
