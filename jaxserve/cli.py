@@ -49,8 +49,60 @@ def cmd_warmup(args) -> int:
     return 0
 
 
-def _ints(text: str | None) -> tuple[int, ...] | None:
-    return tuple(int(x) for x in text.split(",")) if text else None
+# Argument types: a bad value is argparse's usage error (exit 2, naming the flag and the
+# limit) at once, not a traceback, and not a server that compiles its grid for minutes and
+# then reports a warmup failure.
+
+
+def _number(kind: type, low: float | None = None, strict: bool = False):
+    """A ``kind`` (int or float) >= ``low`` (> ``low`` if ``strict``); floats must be finite."""
+    what = "an integer" if kind is int else "a number"
+    bound = "" if low is None else f" {'>' if strict else '>='} {low:g}"
+
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}{bound}, got {text!r}") from None
+        if value != value or value in (float("inf"), float("-inf")) or (
+                low is not None and (value <= low if strict else value < low)):
+            raise argparse.ArgumentTypeError(f"expected {what}{bound}, got {text!r}")
+        return value
+
+    return convert
+
+
+def _int_list(low: int | None = None):
+    """Comma-separated integers, e.g. ``1,2,4``, each >= ``low``, as a tuple."""
+    one = _number(int, low)
+
+    def convert(text: str) -> tuple[int, ...]:
+        parts = [x.strip() for x in text.split(",") if x.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        try:
+            return tuple(one(x) for x in parts)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{exc} (in {text!r})") from None
+
+    return convert
+
+
+def _port(text: str) -> int:
+    value = _number(int, 0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port 0..65535, got {text!r}")
+    return value
+
+
+def _existing_file(text: str) -> str:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return text
+
+
+POSITIVE_INT = _number(int, 1)
+POSITIVE, NON_NEGATIVE = _number(float, 0, strict=True), _number(float, 0)
 
 
 def _image_gammas(args) -> tuple[int, ...]:
@@ -60,7 +112,7 @@ def _image_gammas(args) -> tuple[int, ...]:
     from jaxserve.registry import OTAS_GAMMAS
 
     if getattr(args, "gammas", None):
-        return _ints(args.gammas)
+        return args.gammas
     if getattr(args, "policy", None) in IMAGE_POLICIES or getattr(args, "accuracy", False):
         return OTAS_GAMMAS["vit-demo"]
     return (0,)
@@ -78,12 +130,19 @@ def cmd_serve(args) -> int:
     from jaxserve.registry import DEFAULT_IMAGE_BATCHES, DEFAULT_TEXT_BATCHES, text_grid
     from jaxserve.sched.base import ShapeGrid
 
-    batches = _ints(args.batch_sizes) or DEFAULT_TEXT_BATCHES
+    batches = args.batch_sizes or DEFAULT_TEXT_BATCHES
+    models = _models(args)
+    if args.buckets and "minilm-l6" in models:
+        from jaxserve.registry import text_max_length
+
+        if max(args.buckets) > text_max_length("minilm-l6"):
+            raise CliError(f"--buckets: {max(args.buckets)} exceeds minilm-l6's {text_max_length('minilm-l6')} "
+                           "positions")
     settings = ServeSettings(
-        models=_models(args), cache_dir=args.cache_dir, policy=args.policy, instances=args.instances,
+        models=models, cache_dir=args.cache_dir, policy=args.policy, instances=args.instances,
         max_queue=args.max_queue, max_wait_ms=args.max_wait_ms, cost_model=args.cost_model, precision=args.precision,
-        text_grid=text_grid(buckets=_ints(args.buckets), batch_sizes=batches),
-        image_grid=ShapeGrid(_ints(args.batch_sizes) or DEFAULT_IMAGE_BATCHES, gammas=_image_gammas(args)),
+        text_grid=text_grid(buckets=args.buckets, batch_sizes=batches),
+        image_grid=ShapeGrid(args.batch_sizes or DEFAULT_IMAGE_BATCHES, gammas=_image_gammas(args)),
         extra=_otas_extra(args),
         slo_ms=args.slo_ms, arlo_period_s=args.arlo_period_s, arlo_max_batch=args.arlo_max_batch,
         dt_penalty=args.dt_penalty, arlo_autoscale_from=args.arlo_autoscale_from,
@@ -105,7 +164,7 @@ def cmd_profile(args) -> int:
     from jaxserve.sched.base import ShapeGrid
 
     cache = CompileCache(args.cache_dir)
-    image_grid = ShapeGrid(_ints(args.batch_sizes) or DEFAULT_IMAGE_BATCHES, gammas=_image_gammas(args))
+    image_grid = ShapeGrid(args.batch_sizes or DEFAULT_IMAGE_BATCHES, gammas=_image_gammas(args))
     runtimes = load_runtimes(ServeSettings(models=_models(args), cache_dir=args.cache_dir, image_grid=image_grid,
                                            precision=args.precision), cache)
     latency = {
@@ -268,11 +327,11 @@ def train_prompts_arguments(parser: argparse.ArgumentParser) -> None:
     defaults are training.train_prompts.PromptSettings' (tests/test_prompts.py checks)."""
     parser.add_argument("--out", default=None, help="repository directory (default: jaxserve/assets/vit-demo-prompts)")
     parser.add_argument("--tasks", default="digits,parity,inverted", help="subset of digits,parity,inverted")
-    parser.add_argument("--prompts", default="2,4,8", help="prompt counts P > 0 to train (P = 0 always)")
+    parser.add_argument("--prompts", default=(2, 4, 8), type=_int_list(1), help="prompt counts P > 0 to train (P = 0 always)")
     parser.add_argument("--mode", default="replace", choices=("replace", "accumulate"))
-    parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=3e-2)
+    parser.add_argument("--epochs", type=POSITIVE_INT, default=30)
+    parser.add_argument("--batch-size", type=POSITIVE_INT, default=32)
+    parser.add_argument("--lr", type=POSITIVE, default=3e-2)
     parser.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-profile", action="store_true", help="skip the accuracy profile")
@@ -306,28 +365,28 @@ def main(argv: list[str] | None = None) -> int:
     sp = sub.add_parser("serve", help="start the HTTP server")
     common(sp)
     sp.add_argument("--host", default="127.0.0.1")
-    sp.add_argument("--port", type=int, default=8000)
+    sp.add_argument("--port", type=_port, default=8000)
     sp.add_argument("--policy", default="default", choices=SERVE_POLICIES,
                     help="default: deadline-aware batching; text (one model): arlo and its baselines st, dt, "
                          "infaas; images (one model): otas and its baselines pets, tome, vpt")
-    sp.add_argument("--instances", type=int, default=2,
+    sp.add_argument("--instances", type=POSITIVE_INT, default=2,
                     help="executor workers (default 2: measured in bench/RESULTS.md, load)")
-    sp.add_argument("--max-queue", type=int, default=256)
-    sp.add_argument("--max-wait-ms", type=float, default=0.0)
+    sp.add_argument("--max-queue", type=POSITIVE_INT, default=256)
+    sp.add_argument("--max-wait-ms", type=NON_NEGATIVE, default=0.0)
     sp.add_argument("--access-log", action="store_true",
                     help="log one line per request (off by default: /metrics counts requests, and the log "
                          "line costs the event loop under load)")
-    sp.add_argument("--cost-model", default=None)
-    sp.add_argument("--batch-sizes", default=None, help="e.g. 1,2,4,8 (default: 1,2,4,8,16,32)")
-    sp.add_argument("--buckets", default=None, help="text buckets, e.g. 16,32,64 (default: profiled staircase)")
-    sp.add_argument("--slo-ms", type=float, default=None,
+    sp.add_argument("--cost-model", type=_existing_file, default=None)
+    sp.add_argument("--batch-sizes", type=_int_list(1), default=None, help="e.g. 1,2,4,8 (default: 1,2,4,8,16,32)")
+    sp.add_argument("--buckets", type=_int_list(1), default=None, help="text buckets, e.g. 16,32,64 (default: profiled staircase)")
+    sp.add_argument("--slo-ms", type=POSITIVE, default=None,
                     help="arlo/st/dt/infaas: the stream's SLO (default: the paper's 150 ms scaled by the profile)")
-    sp.add_argument("--arlo-period-s", type=float, default=120.0, help="arlo: Runtime Scheduler period")
-    sp.add_argument("--arlo-max-batch", type=int, default=1, help="arlo/st/dt/infaas: requests per batch")
-    sp.add_argument("--dt-penalty", type=float, default=None, help="dt: dynamic-shape slowdown (default 1.22)")
-    sp.add_argument("--arlo-autoscale-from", type=int, default=None,
+    sp.add_argument("--arlo-period-s", type=POSITIVE, default=120.0, help="arlo: Runtime Scheduler period")
+    sp.add_argument("--arlo-max-batch", type=POSITIVE_INT, default=1, help="arlo/st/dt/infaas: requests per batch")
+    sp.add_argument("--dt-penalty", type=POSITIVE, default=None, help="dt: dynamic-shape slowdown (default 1.22)")
+    sp.add_argument("--arlo-autoscale-from", type=POSITIVE_INT, default=None,
                     help="arlo: start N of the --instances worker slots and scale by target tracking (§4)")
-    sp.add_argument("--gammas", default=None,
+    sp.add_argument("--gammas", type=_int_list(), default=None,
                     help="image OTAS gammas, e.g. --gammas=-2,0,2 (default: the model's OTAS list under "
                          "--policy otas|pets|tome|vpt, else 0)")
     sp.add_argument("--tome-gamma", type=int, default=None, help="tome: its fixed gamma (default: the most negative)")
@@ -337,16 +396,16 @@ def main(argv: list[str] | None = None) -> int:
     sp = sub.add_parser("profile", help="measure per-cell latency (cost model) or the bucket staircase")
     common(sp)
     sp.add_argument("--staircase", action="store_true", help="profile latency vs length and choose buckets")
-    sp.add_argument("--batch", type=int, default=8)
+    sp.add_argument("--batch", type=POSITIVE_INT, default=8)
     sp.add_argument("--rule", choices=("distribution", "tolerance"), default="distribution",
                     help="distribution: minimise expected padded latency of real tweet lengths; "
                          "tolerance: cap each input's padding cost")
-    sp.add_argument("--num-buckets", type=int, default=9)
-    sp.add_argument("--tolerance", type=float, default=0.25)
-    sp.add_argument("--repeats", type=int, default=5)
+    sp.add_argument("--num-buckets", type=POSITIVE_INT, default=9)
+    sp.add_argument("--tolerance", type=POSITIVE, default=0.25)
+    sp.add_argument("--repeats", type=POSITIVE_INT, default=5)
     sp.add_argument("--out", default=None)
-    sp.add_argument("--batch-sizes", default=None, help="image batch sizes, e.g. 1,2,4,8")
-    sp.add_argument("--gammas", default=None, help="image gammas, e.g. --gammas=-4,0,2 (default 0; with "
+    sp.add_argument("--batch-sizes", type=_int_list(1), default=None, help="image batch sizes, e.g. 1,2,4,8")
+    sp.add_argument("--gammas", type=_int_list(), default=None, help="image gammas, e.g. --gammas=-4,0,2 (default 0; with "
                                                    "--accuracy the model's OTAS list)")
     sp.add_argument("--accuracy", action="store_true",
                     help="also profile accuracy per (task, gamma) on the held-out profiling split (OTAS)")
@@ -357,20 +416,20 @@ def main(argv: list[str] | None = None) -> int:
     sp.set_defaults(fn=cmd_train_prompts)
 
     sp = sub.add_parser("simulate", help="run a policy on a virtual clock")
-    sp.add_argument("--cost-model", default="compiled_cache/cost_model.json")
+    sp.add_argument("--cost-model", type=_existing_file, default="compiled_cache/cost_model.json")
     sp.add_argument("--sim-model", default="minilm-l6")
     sp.add_argument("--trace", default="poisson", help="poisson | mmpp | gamma | path to a trace CSV")
-    sp.add_argument("--rate", type=float, default=50.0)
-    sp.add_argument("--cv", type=float, default=2.0)
-    sp.add_argument("--requests", type=int, default=100_000)
-    sp.add_argument("--slo-ms", type=float, default=None)
+    sp.add_argument("--rate", type=POSITIVE, default=50.0)
+    sp.add_argument("--cv", type=POSITIVE, default=2.0)
+    sp.add_argument("--requests", type=POSITIVE_INT, default=100_000)
+    sp.add_argument("--slo-ms", type=POSITIVE, default=None)
     sp.add_argument("--policy", default="default", choices=SERVE_POLICIES, help="as for serve")
-    sp.add_argument("--instances", type=int, default=1)
-    sp.add_argument("--max-queue", type=int, default=256)
-    sp.add_argument("--max-wait-ms", type=float, default=0.0)
-    sp.add_argument("--latency-noise", type=float, default=0.0,
+    sp.add_argument("--instances", type=POSITIVE_INT, default=1)
+    sp.add_argument("--max-queue", type=POSITIVE_INT, default=256)
+    sp.add_argument("--max-wait-ms", type=NON_NEGATIVE, default=0.0)
+    sp.add_argument("--latency-noise", type=NON_NEGATIVE, default=0.0,
                     help="sigma of a mean-one log-normal factor on each batch's time")
-    sp.add_argument("--batch-overhead-ms", type=float, default=0.0,
+    sp.add_argument("--batch-overhead-ms", type=NON_NEGATIVE, default=0.0,
                     help="time each batch holds its instance beyond compute (live: the server's "
                          "jaxserve_batch_handoff_seconds)")
     sp.add_argument("--seed", type=int, default=0)
@@ -381,7 +440,15 @@ def main(argv: list[str] | None = None) -> int:
     sp.set_defaults(fn=cmd_demo)
 
     args = p.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except CliError as exc:
+        print(f"jaxserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+class CliError(Exception):
+    """A bad combination of flags found after parsing: usage error, exit 2."""
 
 
 if __name__ == "__main__":

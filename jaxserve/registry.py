@@ -36,6 +36,11 @@ FALLBACK_TEXT_BUCKETS = (16, 32, 64, 128, 256)
 DEFAULT_IMAGE_BATCHES = (1, 2, 4, 8, 16, 32)
 
 
+def text_max_length(model: str = "minilm-l6") -> int:
+    """The longest bucket a text model can take: its position embeddings (config.json only)."""
+    return int(json.loads((minilm_dir() / "config.json").read_text())["max_position_embeddings"])
+
+
 def default_text_buckets(model: str = "minilm-l6") -> tuple[int, ...]:
     """Buckets from the latency staircase profiled on this machine kind (``jaxserve profile
     --staircase`` writes it); the documented fallback if no profile exists."""

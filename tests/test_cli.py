@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from jaxserve.sched.base import Cell, CostModel, LatencyProfile
 
 
@@ -45,3 +47,39 @@ def test_simulate_replays_a_trace_file(tmp_path):
     held = json.loads(run("simulate", "--cost-model", str(tmp_path / "cost.json"), "--trace", str(trace),
                           "--batch-overhead-ms", "2", "--latency-noise", "0.1").stdout)
     assert held["mean_latency"] > summary["mean_latency"] + 0.002
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["serve", "--instances", "0"], "argument --instances: expected an integer >= 1, got '0'"),
+    (["serve", "--max-queue", "-3"], ">= 1"),
+    (["serve", "--port", "99999"], "0..65535"),
+    (["serve", "--batch-sizes", "0,4"], "--batch-sizes"),
+    (["serve", "--buckets", "16,abc"], "'abc'"),
+    (["serve", "--slo-ms", "nan"], "--slo-ms"),
+    (["serve", "--max-wait-ms", "-1"], ">= 0"),
+    (["serve", "--cost-model", "/no/such/cost.json"], "no such file"),
+    (["simulate", "--rate", "0"], "> 0"),
+    (["simulate", "--requests", "1.5"], "--requests"),
+    (["profile", "--repeats", "0"], "--repeats"),
+    (["train-prompts", "--prompts", "2,-4"], "--prompts"),
+])
+def test_bad_flags_are_usage_errors_before_any_work(argv, needle, capsys):
+    """Every numeric flag is checked as it is parsed: exit 2 with argparse's message naming
+    the flag and its limit, before anything loads or compiles."""
+    from jaxserve.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and argv[1] in err, err
+
+
+def test_a_bucket_beyond_the_models_positions_is_refused_before_warmup(capsys):
+    from jaxserve.cli import main
+    from jaxserve.compile_cache import compile_count
+
+    before = compile_count()
+    assert main(["serve", "--model", "minilm-l6", "--buckets", "16,1000"]) == 2
+    assert "--buckets: 1000 exceeds minilm-l6's 512 positions" in capsys.readouterr().err
+    assert compile_count() == before

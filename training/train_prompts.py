@@ -287,7 +287,7 @@ def run(args) -> int:
     unknown = [t for t in tasks if t not in DIGIT_TASKS]
     if unknown:
         raise SystemExit(f"unknown tasks {unknown}; known: {list(DIGIT_TASKS)}")
-    result = train_demo(out, tasks, [int(p) for p in args.prompts.split(",") if p], settings, args.mode,
+    result = train_demo(out, tasks, list(args.prompts), settings, args.mode,
                         profile=not args.no_profile)
     print(json.dumps(result, indent=1))
     print(f"prompt repository: {out}")
