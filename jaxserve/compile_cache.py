@@ -24,11 +24,13 @@ write.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -158,11 +160,31 @@ def _owner_only_dir(path: Path) -> Path:
 
 
 def _write_owner_only(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    """Write via a temporary file of this writer's own (two warmup jobs, or a server starting
+    beside one, may write the same entry at once: with one shared temporary name they
+    truncated each other's file and one replace found it gone) and an atomic rename, so a
+    crash or a concurrent writer never leaves a half entry under the real name."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
-    os.replace(tmp, path)  # atomic: a crash mid-write never leaves a half entry under the real name
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _exclusive(root: Path):
+    """Hold ``root/.lock`` exclusively (flock: released when the descriptor closes, even if
+    the process dies), for read-modify-write of the manifest across processes."""
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+ORPHAN_AGE_S = 600.0  # a temporary file or a payload without its sidecar younger than this may
+#                       belong to a writer still at work, so prune leaves it
 
 
 class CompileCache:
@@ -279,34 +301,34 @@ class CompileCache:
             if stale(meta_path.stem, meta):
                 self.discard(meta_path.stem)
                 removed += 1
+        now = time.time()
         for path in self.exe_dir.iterdir():
-            if path.suffix == ".tmp" or (path.suffix == ".bin" and not path.with_suffix(".json").exists()):
-                path.unlink(missing_ok=True)
-                removed += path.suffix == ".bin"
-        manifest = self.root / "manifest.json"
-        if manifest.exists():
-            try:
-                rows = json.loads(manifest.read_text())["entries"]
-            except (ValueError, KeyError):
-                rows = []
-            kept = [r for r in rows if not stale(r.get("key"), r)]
-            body = {"updated": time.strftime("%Y-%m-%dT%H:%M:%S"), "entries": kept}
-            _write_owner_only(manifest, json.dumps(body, indent=1).encode())
+            orphan = path.suffix == ".tmp" or (path.suffix == ".bin" and not path.with_suffix(".json").exists())
+            with contextlib.suppress(FileNotFoundError):  # its writer may have renamed it meanwhile
+                if orphan and now - path.stat().st_mtime > ORPHAN_AGE_S:
+                    path.unlink()
+                    removed += path.suffix == ".bin"
+        self._update_manifest(lambda rows: {k: r for k, r in rows.items() if not stale(k, r)})
         return removed
 
     def write_manifest(self, rows: list[ManifestRow]) -> Path:
         """Merge ``rows`` into manifest.json (keyed by entry key; newest row wins)."""
+        return self._update_manifest(lambda existing: {**existing, **{row.key: asdict(row) for row in rows}})
+
+    def _update_manifest(self, change: Callable[[dict[str, dict]], dict[str, dict]]) -> Path:
+        """Read, change and write manifest.json under the cache's lock, so concurrent warmup
+        jobs (one per model, say) never lose each other's rows. An unreadable manifest
+        counts as empty: it is a record, not something anything loads from."""
         path = self.root / "manifest.json"
-        existing: dict[str, dict] = {}
-        if path.exists():
-            try:
-                existing = {r["key"]: r for r in json.loads(path.read_text())["entries"]}
-            except (ValueError, KeyError):
-                existing = {}
-        for row in rows:
-            existing[row.key] = asdict(row)
-        body = {"updated": time.strftime("%Y-%m-%dT%H:%M:%S"), "entries": list(existing.values())}
-        _write_owner_only(path, json.dumps(body, indent=1).encode())
+        with _exclusive(self.root):
+            rows: dict[str, dict] = {}
+            if path.exists():
+                try:
+                    rows = {r["key"]: r for r in json.loads(path.read_text())["entries"]}
+                except (ValueError, KeyError, TypeError):
+                    rows = {}
+            body = {"updated": time.strftime("%Y-%m-%dT%H:%M:%S"), "entries": list(change(rows).values())}
+            _write_owner_only(path, json.dumps(body, indent=1).encode())
         return path
 
 

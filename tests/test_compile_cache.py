@@ -3,6 +3,9 @@
 import json
 import os
 import stat
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -218,16 +221,47 @@ def test_prune_removes_only_this_models_entries_that_can_never_load(cache_dir, m
     real = cc.environment_fingerprint
     monkeypatch.setattr("jaxserve.polymorph.environment_fingerprint", lambda: {**real(), "jax": "next"})
     new, _ = _table(cache)  # an upgrade: every key of "tiny" changed, the old entries stay behind
-    (cache.exe_dir / "orphan.bin").write_bytes(b"x")  # a payload without its sidecar
-    (cache.exe_dir / "half.bin.tmp").write_bytes(b"x")  # a write that never finished
+    old = time.time() - cc.ORPHAN_AGE_S - 60
+    for name in ("orphan.bin", ".half.bin.1.2.tmp"):  # a payload without its sidecar; a write that never finished
+        (cache.exe_dir / name).write_bytes(b"x")
+        os.utime(cache.exe_dir / name, (old, old))
+    (cache.exe_dir / ".busy.bin.3.4.tmp").write_bytes(b"x")  # a writer at work right now: left alone
     assert stale.isdisjoint(new.keys())
     on_disk = lambda: {p.stem for p in cache.exe_dir.glob("*.bin")}  # noqa: E731
     assert stale <= on_disk()
     removed = cache.prune({"tiny"}, new.keys())
     assert removed == len(stale) + 1
     assert on_disk() == new.keys() | other_keys  # the other model's entries are untouched
-    assert not list(cache.exe_dir.glob("*.tmp"))
+    assert [p.name for p in cache.exe_dir.glob("*.tmp")] == [".busy.bin.3.4.tmp"]
     manifest_keys = {r["key"] for r in json.loads((cache_dir / "manifest.json").read_text())["entries"]}
     assert manifest_keys == new.keys() | other_keys
     again, rows = _table(cache)  # what was kept still loads
     assert {r.source for r in rows} == {"serialized"}
+
+
+_WRITER = """
+import json, sys
+from jaxserve.compile_cache import CompileCache, ManifestRow, _write_owner_only
+root, who, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+cache = CompileCache(root, use_xla_cache=False)
+for i in range(n):
+    cache.write_manifest([ManifestRow(model=who, config_hash="c", cell=f"b{i}", key=f"{who}-{i}", jax="j",
+                                      jaxlib="j", xla_flags="", compile_seconds=0.0, source="compiled")])
+    _write_owner_only(cache.exe_dir / "same.json", json.dumps({"who": who, "i": i, "pad": "x" * 50000}).encode())
+"""
+
+
+def test_concurrent_writers_lose_no_manifest_row_and_never_fail(cache_dir):
+    """Three processes (say, warmup jobs for different models on one cache) merge manifest
+    rows and rewrite the same entry at once: every row survives, no write fails, and the
+    shared entry is one writer's whole file."""
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(cache_dir), who, "150"], stderr=subprocess.PIPE,
+                              text=True) for who in "abc"]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    rows = json.loads((cache_dir / "manifest.json").read_text())["entries"]
+    assert sorted(r["key"] for r in rows) == sorted(f"{w}-{i}" for w in "abc" for i in range(150))
+    last = json.loads((cache_dir / "executables" / "same.json").read_text())
+    assert last["i"] == 149 and len(last["pad"]) == 50000
+    assert not list((cache_dir / "executables").glob("*.tmp"))
