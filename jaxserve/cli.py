@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -98,6 +99,20 @@ def _port(text: str) -> int:
 def _existing_file(text: str) -> str:
     if not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return text
+
+
+def _cache_dir(text: str) -> str:
+    """A directory this user can create (owner-only, as CompileCache makes it) and write."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot create {text!r}: {exc.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable by this user")
     return text
 
 
@@ -350,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def common(sp):
         sp.add_argument("--model", action="append", choices=MODELS, help="repeatable; default: all")
-        sp.add_argument("--cache-dir", default="compiled_cache")
+        sp.add_argument("--cache-dir", type=_cache_dir, default="compiled_cache")
         sp.add_argument("--precision", default="f32", choices=PRECISIONS,
                         help="dense-layer matmuls: f32, or bf16 weights with f32 accumulation (fast on CPUs "
                              "with AMX/AVX512-BF16; embeddings keep cosine >= 0.9999)")
@@ -436,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.set_defaults(fn=cmd_simulate)
 
     sp = sub.add_parser("demo", help="embed and classify a few real sentences and digits")
-    sp.add_argument("--cache-dir", default="compiled_cache")
+    sp.add_argument("--cache-dir", type=_cache_dir, default="compiled_cache")
     sp.set_defaults(fn=cmd_demo)
 
     args = p.parse_args(argv)

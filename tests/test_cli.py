@@ -62,6 +62,8 @@ def test_simulate_replays_a_trace_file(tmp_path):
     (["simulate", "--requests", "1.5"], "--requests"),
     (["profile", "--repeats", "0"], "--repeats"),
     (["train-prompts", "--prompts", "2,-4"], "--prompts"),
+    (["warmup", "--cache-dir", "/proc/no-cache-here"], "cannot create"),
+    (["serve", "--cache-dir", __file__], "is not a directory"),
 ])
 def test_bad_flags_are_usage_errors_before_any_work(argv, needle, capsys):
     """Every numeric flag is checked as it is parsed: exit 2 with argparse's message naming
