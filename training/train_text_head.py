@@ -38,6 +38,7 @@ from sklearn.metrics import confusion_matrix, f1_score
 from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
+from jaxserve.cli import POSITIVE_INT
 from jaxserve.models.bert import load_hf_bert
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.polymorph import PolymorphTable, pad_token_batch, unpad_rows
@@ -503,7 +504,7 @@ def main() -> None:
     parser.add_argument("--out", default=DEFAULT_OUT, help="directory for sentiment.npz / sentiment.json")
     parser.add_argument("--work-dir", default=DEFAULT_WORK_DIR, help="embedding cache and orbax checkpoints")
     parser.add_argument("--seed", type=int, default=0, help="split, shuffling and initialisation seed")
-    parser.add_argument("--limit", type=int, default=None, help="use a stratified subsample of N unique tweets")
+    parser.add_argument("--limit", type=POSITIVE_INT, default=None, help="use a stratified subsample of N unique tweets")
     parser.add_argument("--select-on", choices=("accuracy", "macro_f1"), default="macro_f1")
     parser.add_argument("--compare-mlp", action="store_true", help="also train and report an MLP head")
     args = parser.parse_args()

@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
+from jaxserve.cli import POSITIVE_INT
 from jaxserve.models.vit import VIT_CONFIGS, ViT, ViTConfig, abstract_vit, init_vit, vit_forward
 from training.data import prepare_digits, train_batches
 
@@ -155,9 +156,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="models/vit-demo", help="checkpoint directory")
     parser.add_argument("--config", default="vit-demo", choices=sorted(VIT_CONFIGS))
-    parser.add_argument("--epochs", type=int, default=TrainSettings.epochs)
+    parser.add_argument("--epochs", type=POSITIVE_INT, default=TrainSettings.epochs)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=TrainSettings.batch_size)
+    parser.add_argument("--batch-size", type=POSITIVE_INT, default=TrainSettings.batch_size)
     args = parser.parse_args()
     train(args.config, args.out, epochs=args.epochs, seed=args.seed, batch_size=args.batch_size)
 
