@@ -33,6 +33,7 @@ import io
 import logging
 import math
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +136,9 @@ class Guard:
     - An exception nobody anticipated (a bug) is logged and answered with the API's JSON 500
       here, instead of Starlette's default, which answers a text page and then re-raises, so
       uvicorn closes the connection and a keep-alive client's next request fails too.
+    - Every answer carries ``x-request-id``: the client's own (up to 128 visible ASCII
+      characters) or a fresh one, also in the log line of an internal error, so a client's
+      report can be found in the server log.
     """
 
     def __init__(self, app, limit: int, metrics: Metrics):
@@ -144,6 +148,10 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
+        rid = headers.get(b"x-request-id", b"")
+        if not (0 < len(rid) <= 128 and all(33 <= c <= 126 for c in rid)):
+            rid = uuid.uuid4().hex.encode()
+        send = _with_header(send, (b"x-request-id", rid))
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._answer(send, _error(413, f"request body exceeds the limit of {self.limit} bytes", "body"))
@@ -170,7 +178,7 @@ class Guard:
         except Exception as exc:
             if started:  # half an answer is out: nothing sound is left to send
                 raise
-            log.exception("unhandled error on %s", scope.get("path"))
+            log.exception("unhandled error on %s (x-request-id %s)", scope.get("path"), rid.decode())
             self.metrics.request_done(scope.get("path", ""), 500)
             await self._answer(send, _error(500, f"internal error ({type(exc).__name__}); the server log has "
                                                  "the traceback"))
@@ -181,6 +189,15 @@ class Guard:
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(resp.body)).encode())]})
         await send({"type": "http.response.body", "body": resp.body})
+
+
+def _with_header(send, header: tuple[bytes, bytes]):
+    async def wrapped(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), header]}
+        await send(message)
+
+    return wrapped
 
 
 class _TooLarge(Exception):

@@ -197,6 +197,22 @@ def test_errors_name_the_field_in_one_format(client):
     assert client.post("/v1/embeddings", json={"input": ["still serving"]}).status_code == 200
 
 
+def test_every_answer_carries_a_request_id(client):
+    """The client's x-request-id comes back; without one (or with one that is not a short
+    visible-ASCII token) the server makes a fresh one, on errors and early 413s too."""
+    ok = client.post("/v1/embeddings", json={"input": "x"}, headers={"x-request-id": "trace-42"})
+    assert ok.status_code == 200 and ok.headers["x-request-id"] == "trace-42"
+    ids = set()
+    for r in (client.post("/v1/embeddings", json={"input": []}),
+              client.post("/v1/embeddings", json={"input": "x"}, headers={"x-request-id": "a b"}),
+              client.post("/v1/embeddings", content=b"x" * (9 * 1024 * 1024), headers={"x-request-id": "z" * 129}),
+              client.get("/healthz")):
+        rid = r.headers["x-request-id"]
+        assert len(rid) == 32 and int(rid, 16) >= 0
+        ids.add(rid)
+    assert len(ids) == 4
+
+
 def test_an_unforeseen_error_is_a_json_500_and_the_server_stays_up(server, client):
     """A handler that raises something no one anticipated (here a route added for the test
     that divides by zero) answers the API's JSON 500, counted in metrics, and serving goes on."""
