@@ -232,16 +232,21 @@ def decode_image(raw: Any, shape: tuple[int, int, int], index: int) -> np.ndarra
 
         try:
             data = base64.b64decode(raw, validate=True)
-            img = Image.open(io.BytesIO(data))
-            img.load()
-        except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as exc:
+            img = Image.open(io.BytesIO(data))  # reads the header only
+        except (binascii.Error, ValueError, UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
             raise ApiError(422, f"{where}: not a decodable base64 PNG image ({exc})", where) from None
+        # Size and mode are checked from the header, before any pixel is decoded: a tiny PNG
+        # can declare 12000x12000 (144 MB, 0.15 s of the event loop per image to decode).
         if img.size != (w, h):
             raise ApiError(422, f"{where}: image is {img.size[0]}x{img.size[1]}; the model takes {w}x{h}", where)
         mode = {1: "L", 3: "RGB"}.get(c)
         if img.mode != mode:
             raise ApiError(422, f"{where}: image mode {img.mode} has the wrong channels; the model takes "
                                 f"{c} channel(s) (PNG mode {mode})", where)
+        try:
+            img.load()
+        except (ValueError, OSError) as exc:
+            raise ApiError(422, f"{where}: not a decodable base64 PNG image ({exc})", where) from None
         arr = np.asarray(img, dtype=np.float32) / 255.0
         return arr.reshape(h, w, c)
     try:

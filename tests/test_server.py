@@ -274,6 +274,15 @@ def test_image_classification_png_and_arrays(client):
     small.save(buf, format="PNG")
     r4 = client.post("/v1/classify/image", json={"inputs": [base64.b64encode(buf.getvalue()).decode()]})
     assert r4.status_code == 422 and "5x5" in r4.json()["error"]["message"]
+    # A PNG's declared size is checked before its pixels are decoded: this one declares
+    # 12000x12000 (144 MB to decode) and its pixel data is cut off, so only the header can
+    # have been read if the answer names the size. A larger one trips PIL's bomb guard: 422 too.
+    for side, needle in ((12000, "12000x12000"), (15000, "decodable")):
+        buf = io.BytesIO()
+        Image.new("L", (side, side)).save(buf, format="PNG")
+        cut = base64.b64encode(buf.getvalue()[:200]).decode()
+        r5 = client.post("/v1/classify/image", json={"inputs": [cut]})
+        assert r5.status_code == 422 and needle in r5.json()["error"]["message"], r5.text
 
 
 def test_every_request_gets_exactly_one_answer_under_overload(server):
