@@ -10,7 +10,7 @@ Layout of a cache directory (``compiled_cache/`` by default)::
 The key hashes everything that could make a stored executable wrong for this process:
 model name and config hash, the cell, the function variant, the abstract shapes of
 every argument, a hash of jaxserve's model and polymorph sources, jax/jaxlib versions,
-the backend and device kind, ``XLA_FLAGS`` and the jax config flags that change
+the backend and device kind (on the CPU, the instruction set: host_cpu), ``XLA_FLAGS`` and the jax config flags that change
 lowering. Change any of them and the key changes, so a stale entry can never load; it
 is simply a miss.
 
@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -69,9 +70,27 @@ def program_fingerprint(root: Path | None = None) -> str:
     return h.hexdigest()[:16]
 
 
+@functools.cache
+def host_cpu() -> str:
+    """The instruction set XLA:CPU compiles for: the machine and a hash of the CPU's feature
+    flags (/proc/cpuinfo). XLA:CPU targets the host it runs on, and its device kind is just
+    "cpu", so without this a cache warmed on an AVX-512/AMX build host and shipped to an older
+    CPU would hand it code it cannot run (XLA's loader refuses it, or it dies of SIGILL);
+    with it, that is a clean miss compiled at warmup."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):  # x86 / arm64 spelling
+                features = " ".join(sorted(set(line.split(":", 1)[1].split())))
+                return f"{platform.machine()}:{hashlib.sha256(features.encode()).hexdigest()[:16]}"
+    except OSError:
+        pass
+    return f"{platform.machine()}:{platform.processor()}"
+
+
 def environment_fingerprint() -> dict[str, str]:
     """What decides the compiled code besides the model, cell and argument shapes:
-    jaxserve's program sources, versions, backend, flags."""
+    jaxserve's program sources, versions, backend, the CPU's instruction set (CPU backend
+    only: a GPU executable's code is for the GPU its device kind names), flags."""
     device = jax.devices()[0]
     fp = {
         "program": program_fingerprint(),
@@ -79,6 +98,7 @@ def environment_fingerprint() -> dict[str, str]:
         "jaxlib": jaxlib.__version__,
         "platform": device.platform,
         "device_kind": device.device_kind,
+        "host_cpu": host_cpu() if device.platform == "cpu" else "",
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     for flag in _LOWERING_FLAGS:
@@ -105,6 +125,7 @@ class ManifestRow:
     #              or "xla-cache" (loaded from XLA's persistent cache; not re-serialized: see CompileCache)
     compile_options: dict = field(default_factory=dict)  # per-cell XLA options (Servable.options_of)
     precision: str = "f32"  # dense-kernel dtype (jaxserve.models.precision)
+    host_cpu: str = ""  # the CPU instruction set it was compiled for (host_cpu(); "" off the CPU)
 
 
 _compile_counter = {"backend_compiles": 0, "seconds": 0.0, "xla_cache_hits": 0}
@@ -342,7 +363,7 @@ def enable_xla_cache(path: str | Path) -> None:
     cache), and it does so by writing *the cache directory's path* into the compile
     options, which are part of every entry's key: a cache written at one path then
     never hits at another (measured: a warmup job's cache copied elsewhere gave 0 hits
-    of 6). A warmup job's output is meant to be shipped (CI artifact, image layer), so
+    of 6). A warmup job's output is meant to be shipped (CI artifact, image layer) to hosts of the same kind, so
     we switch those side caches off ("none") and keep the key path-independent; the
     serialized executables remain the fast path on every backend.
     """

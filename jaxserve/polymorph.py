@@ -158,7 +158,7 @@ class PolymorphTable:
             model=s.name, config_hash=s.config_hash, cell=cell.label(), key=key,
             jax=env["jax"], jaxlib=env["jaxlib"], xla_flags=env["xla_flags"],
             compile_seconds=round(seconds, 4), source=source, compile_options=parts["compile_options"],
-            precision=s.precision,
+            precision=s.precision, host_cpu=env["host_cpu"],
         )
 
     def warmup(self, cells: Sequence[Cell] | None = None, progress: bool = False) -> list[ManifestRow]:

@@ -61,7 +61,7 @@ def test_one_executable_serves_every_checkpoint_of_a_config(cache_dir):
 
 @pytest.mark.parametrize(
     "change",
-    ["program", "jax", "jaxlib", "xla_flags", "device_kind", "jax_default_matmul_precision"],
+    ["program", "jax", "jaxlib", "xla_flags", "device_kind", "host_cpu", "jax_default_matmul_precision"],
 )
 def test_other_versions_or_flags_never_load_a_stale_entry(cache_dir, monkeypatch, change):
     table, _ = _table(CompileCache(cache_dir, use_xla_cache=False))
