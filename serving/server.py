@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -273,6 +274,17 @@ def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, ac
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    uvicorn.run(build_app(settings), host=host, port=port, log_level="info",
-                access_log=access_log, timeout_graceful_shutdown=30)
+    config = uvicorn.Config(build_app(settings), host=host, port=port, log_level="info",
+                            access_log=access_log, timeout_graceful_shutdown=30)
+    # Bind before warmup starts: a port in use now exits at once (uvicorn's exit 3), where
+    # uvicorn.run bound after startup and the exit then waited for the whole grid to compile.
+    try:
+        sock = config.bind_socket()
+    except SystemExit:  # uvicorn has logged the OS error; say which address it was
+        log.error("cannot listen on %s:%d; nothing was warmed", host, port)
+        raise
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock])
+    if not server.started:
+        sys.exit(3)
 

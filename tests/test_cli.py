@@ -85,3 +85,20 @@ def test_a_bucket_beyond_the_models_positions_is_refused_before_warmup(capsys):
     assert main(["serve", "--model", "minilm-l6", "--buckets", "16,1000"]) == 2
     assert "--buckets: 1000 exceeds minilm-l6's 512 positions" in capsys.readouterr().err
     assert compile_count() == before
+
+
+def test_serve_on_a_port_in_use_exits_before_warmup(tmp_path):
+    """The port is bound before the grid is warmed: a busy port fails at once, not after
+    every cell has compiled (the cache directory stays empty)."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = run("serve", "--model", "vit-demo", "--port", str(port), "--cache-dir", str(tmp_path / "c"),
+                  timeout=120)
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert "address already in use" in out.stderr.lower() and f"cannot listen on 127.0.0.1:{port}" in out.stderr
+    assert not (tmp_path / "c" / "manifest.json").exists()
+    assert not list((tmp_path / "c" / "executables").glob("*.bin"))
