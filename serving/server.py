@@ -13,6 +13,7 @@ import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from fastapi import FastAPI
@@ -237,7 +238,11 @@ def settle_heap() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-def build_app(settings: ServeSettings) -> FastAPI:
+def build_app(settings: ServeSettings, on_warmup_error: Callable[[], None] | None = None) -> FastAPI:
+    """The app; it warms its engine in the background while /healthz and /readyz answer.
+    A warmup error is logged and reported by /readyz and /v1/models; ``on_warmup_error``
+    is then called too (``serve`` uses it to stop the server and exit 1, as Triton does by
+    default, so a supervisor sees the failure; an embedding caller may keep serving 503s)."""
     state = ServerState(info={"instances": settings.instances, "max_queue": settings.max_queue})
 
     @contextlib.asynccontextmanager
@@ -245,9 +250,11 @@ def build_app(settings: ServeSettings) -> FastAPI:
         async def warm():
             try:
                 engine = await asyncio.to_thread(build_engine, settings)
-            except Exception as exc:  # report through /readyz instead of dying silently
+            except Exception as exc:
                 log.exception("warmup failed")
                 state.warm_error = f"{type(exc).__name__}: {exc}"
+                if on_warmup_error is not None:
+                    on_warmup_error()
                 return
             engine.stats.observers.append(app.state.metrics.observe_batch)
             engine.compiles_at_ready = compile_count()
@@ -274,7 +281,13 @@ def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, ac
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = uvicorn.Config(build_app(settings), host=host, port=port, log_level="info",
+    server: uvicorn.Server | None = None
+
+    def stop() -> None:
+        server.should_exit = True
+
+    app = build_app(settings, on_warmup_error=stop)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info",
                             access_log=access_log, timeout_graceful_shutdown=30)
     # Bind before warmup starts: a port in use now exits at once (uvicorn's exit 3), where
     # uvicorn.run bound after startup and the exit then waited for the whole grid to compile.
@@ -287,4 +300,6 @@ def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, ac
     server.run(sockets=[sock])
     if not server.started:
         sys.exit(3)
+    if app.state.jaxserve.warm_error is not None:
+        sys.exit(f"jaxserve serve: warmup failed: {app.state.jaxserve.warm_error}")
 

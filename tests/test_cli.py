@@ -102,3 +102,14 @@ def test_serve_on_a_port_in_use_exits_before_warmup(tmp_path):
     assert "address already in use" in out.stderr.lower() and f"cannot listen on 127.0.0.1:{port}" in out.stderr
     assert not (tmp_path / "c" / "manifest.json").exists()
     assert not list((tmp_path / "c" / "executables").glob("*.bin"))
+
+
+def test_serve_exits_nonzero_when_warmup_fails(tmp_path):
+    """A warmup error (here an unreadable cost model) stops the server with exit 1 and the
+    reason, so a supervisor sees it, instead of a server answering 503 forever."""
+    bad = tmp_path / "cost.json"
+    bad.write_text("{ not json")
+    out = run("serve", "--model", "vit-demo", "--port", "0", "--cache-dir", str(tmp_path / "c"),
+              "--cost-model", str(bad), timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "jaxserve serve: warmup failed:" in out.stderr
