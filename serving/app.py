@@ -34,6 +34,7 @@ import logging
 import math
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -232,7 +233,9 @@ def decode_image(raw: Any, shape: tuple[int, int, int], index: int) -> np.ndarra
 
         try:
             data = base64.b64decode(raw, validate=True)
-            img = Image.open(io.BytesIO(data))  # reads the header only
+            with warnings.catch_warnings():  # its size is checked below, before any decoding:
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # no bomb goes off
+                img = Image.open(io.BytesIO(data))  # reads the header only
         except (binascii.Error, ValueError, UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
             raise ApiError(422, f"{where}: not a decodable base64 PNG image ({exc})", where) from None
         # Size and mode are checked from the header, before any pixel is decoded: a tiny PNG
