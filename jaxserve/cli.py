@@ -151,9 +151,9 @@ def cmd_serve(args) -> int:
     if args.buckets and "minilm-l6" in models:
         from jaxserve.registry import text_max_length
 
-        if max(args.buckets) > text_max_length("minilm-l6"):
-            raise CliError(f"--buckets: {max(args.buckets)} exceeds minilm-l6's {text_max_length('minilm-l6')} "
-                           "positions")
+        limit = text_max_length("minilm-l6")
+        if max(args.buckets) > limit:
+            raise CliError(f"--buckets: {max(args.buckets)} exceeds minilm-l6's {limit} positions")
     settings = ServeSettings(
         models=models, cache_dir=args.cache_dir, policy=args.policy, instances=args.instances,
         max_queue=args.max_queue, max_wait_ms=args.max_wait_ms, cost_model=args.cost_model, precision=args.precision,
