@@ -151,7 +151,7 @@ def cmd_serve(args) -> int:
     if args.buckets and "minilm-l6" in models:
         from jaxserve.registry import text_max_length
 
-        limit = text_max_length("minilm-l6")
+        limit = text_max_length()
         if max(args.buckets) > limit:
             raise CliError(f"--buckets: {max(args.buckets)} exceeds minilm-l6's {limit} positions")
     settings = ServeSettings(

@@ -41,9 +41,12 @@ FALLBACK_TEXT_BUCKETS = (16, 32, 64, 128, 256)
 DEFAULT_IMAGE_BATCHES = (1, 2, 4, 8, 16, 32)
 
 
-def text_max_length(model: str = "minilm-l6") -> int:
-    """The longest bucket a text model can take: its position embeddings (config.json only)."""
-    return int(json.loads((minilm_dir() / "config.json").read_text())["max_position_embeddings"])
+def text_max_length() -> int:
+    """The longest bucket the text model can take: its position embeddings, read from its
+    config.json alone (no weights), as ``load_text_runtime`` will read them."""
+    from jaxserve.models.bert import BertConfig
+
+    return BertConfig.from_hf(json.loads((minilm_dir() / "config.json").read_text())).max_position
 
 
 def default_text_buckets(model: str = "minilm-l6") -> tuple[int, ...]:

@@ -155,7 +155,7 @@ class Guard:
         send = _with_header(send, (b"x-request-id", rid))
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._answer(send, _error(413, f"request body exceeds the limit of {self.limit} bytes", "body"))
+            return await self._answer(send, self._too_large())
         seen, started = 0, False
 
         async def counted():
@@ -175,7 +175,7 @@ class Guard:
         try:
             await self.app(scope, counted, tracked)
         except _TooLarge:
-            await self._answer(send, _error(413, f"request body exceeds the limit of {self.limit} bytes", "body"))
+            await self._answer(send, self._too_large())
         except Exception as exc:
             if started:  # half an answer is out: nothing sound is left to send
                 raise
@@ -183,6 +183,9 @@ class Guard:
             self.metrics.request_done(scope.get("path", ""), 500)
             await self._answer(send, _error(500, f"internal error ({type(exc).__name__}); the server log has "
                                                  "the traceback"))
+
+    def _too_large(self) -> JSONResponse:
+        return _error(413, f"request body exceeds the limit of {self.limit} bytes", "body")
 
     @staticmethod
     async def _answer(send, resp: JSONResponse):
