@@ -1282,6 +1282,7 @@ class ArloCounters:
     allocation_changes: int = 0  # solves that moved at least one instance
     instances_moved: int = 0
     redispatched: int = 0  # queued requests re-dispatched because their instance moved
+    withdrawn: int = 0  # queued requests taken out because their client went away
     scale_decisions: list[ScaleDecision] = field(default_factory=list)
 
 
@@ -1500,6 +1501,27 @@ class ArloPolicy:
     def queue_depth(self) -> int:
         return self._queued + len(self._pending)
 
+    def withdraw(self, request_id: int, now: float) -> bool:
+        """Take a queued request out (its client went away): out of its instance's FIFO
+        (that instance's outstanding load drops by one, as for a completion) or out of
+        the requests waiting for a runtime. Its length stays in the runtime scheduler's
+        window: it did arrive, and the allocation sizes for what arrives."""
+        for inst, queue in self._queues.items():
+            for r in queue:
+                if r.id == request_id:
+                    queue.remove(r)
+                    self._queued -= 1
+                    self.dispatcher.complete(inst, 1)
+                    self._arrival.pop(request_id, None)
+                    self.counters.withdrawn += 1
+                    return True
+        for r in self._pending:
+            if r.id == request_id:
+                self._pending.remove(r)
+                self.counters.withdrawn += 1
+                return True
+        return False
+
     def _cell_for(self, level: int, requests: Sequence[Request]) -> Cell:
         """The executable a batch of ``requests`` runs in on an instance of runtime ``level``."""
         return Cell(batch_size_for(len(requests), self._batch_sizes), self.buckets[level])
@@ -1511,7 +1533,7 @@ class ArloPolicy:
             yield "instances", {"runtime": str(seq)}, n
         c = self.counters
         for name in ("dispatched", "served", "demotions", "reallocations", "allocation_changes",
-                     "instances_moved", "redispatched"):
+                     "instances_moved", "redispatched", "withdrawn"):
             yield name, {}, getattr(c, name)
         outs = sum(1 for d in c.scale_decisions if d.action == "out")
         yield "scale_decisions", {"action": "out"}, outs

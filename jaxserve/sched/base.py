@@ -82,6 +82,12 @@ class Policy(Protocol):
 
     def queue_depth(self) -> int: ...
 
+    def withdraw(self, request_id: int, now: float) -> bool:
+        """Forget a request that is still queued (its client went away): it must never
+        appear in a later plan's batches or evictions. True if it was queued; False if
+        it was already dispatched, evicted or never seen (the caller then lets it run)."""
+        ...
+
 
 @dataclass(frozen=True)
 class LatencyProfile:

@@ -252,6 +252,12 @@ class DynamicShapePolicy(ArloPolicy):
             self._lengths.pop(r, None)
         super().on_completion(batch, now)
 
+    def withdraw(self, request_id: int, now: float) -> bool:
+        if not super().withdraw(request_id, now):
+            return False
+        self._lengths.pop(request_id, None)
+        return True
+
     def _cell_for(self, level: int, requests: Sequence[Request]) -> Cell:
         longest = max(r.length for r in requests)
         return Cell(batch_size_for(len(requests), self._batch_sizes), bucket_for_length(longest, self.exec_buckets))

@@ -563,6 +563,21 @@ class SelectiveBatchingPolicy:
     def queue_depth(self) -> int:
         return sum(len(qb.requests) for qb in self._queue)
 
+    def withdraw(self, request_id: int, now: float) -> bool:
+        """Take a queued request out of its batch (its client went away); a batch left
+        empty is dropped. The batch keeps its opening time and its opener's utility as
+        the admission key for later arrivals (Alg. 1 compares against the batch as
+        opened), even when the opener is the one withdrawn."""
+        for qb in self._queue:
+            for i, r in enumerate(qb.requests):
+                if r.id == request_id:
+                    del qb.requests[i]
+                    if not qb.requests:
+                        self._queue.remove(qb)
+                    self.counters["withdrawn"] += 1
+                    return True
+        return False
+
     # ------------------------------------------------------------------ read-outs
 
     def arrival_rate(self, now: float) -> float:
