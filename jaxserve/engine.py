@@ -15,7 +15,12 @@ Guarantees (tested through HTTP in tests/test_server.py):
   :class:`Overloaded` (HTTP 429) before anything is queued, never half-queued;
 * a batch whose execution raises is retried once; if it fails again its items are
   answered with an error and the worker slot is restarted (``worker_restarts``);
-* :meth:`Engine.drain` stops admission and waits for in-flight work (SIGTERM path).
+* :meth:`Engine.drain` stops admission and waits for in-flight work (SIGTERM path);
+* :meth:`Engine.withdraw` takes back items whose client went away while they were still
+  queued: the policy forgets them, they never run, and their futures are cancelled
+  (outcome ``withdrawn`` in the stats). Items already running finish; their answers go
+  nowhere. Without this an overloaded server keeps computing for clients that timed out
+  and left, and the queue behind them waits for nobody's work.
 
 A crash that kills the whole process (a native fault in XLA) is outside what a
 thread can catch; run the server under a supervisor (systemd, Kubernetes) for that.
@@ -50,6 +55,11 @@ class Overloaded(RuntimeError):
 
 class Draining(RuntimeError):
     """The engine is shutting down and admits nothing new (HTTP 503)."""
+
+
+class TooManyItems(ValueError):
+    """One submission holds more items than the queue can ever hold: no retry can succeed
+    (HTTP 413, not 429)."""
 
 
 class ExecutionFailed(RuntimeError):
@@ -139,6 +149,9 @@ class Engine:
             self._loop = asyncio.get_running_loop()
         if self._draining:
             raise Draining("server is shutting down")
+        if len(items) > self.max_queue:
+            raise TooManyItems(f"{len(items)} items in one request; this server queues at most "
+                               f"{self.max_queue} (max_queue)")
         if len(self._queued) + len(items) > self.max_queue:
             raise Overloaded(
                 f"queue full: {len(self._queued)} queued + {len(items)} new > max_queue {self.max_queue}",
@@ -156,6 +169,28 @@ class Engine:
             futures.append(fut)
         self._schedule()
         return futures
+
+    def withdraw(self, futures: Sequence[asyncio.Future]) -> int:
+        """Withdraw the items of ``futures`` that are still queued (their client went
+        away): the policy forgets them (``Policy.withdraw``) and their futures are
+        cancelled. Items already dispatched, answered, or that the policy cannot take
+        back (a policy without ``withdraw``) are left to finish. Returns how many were
+        withdrawn. O(queued items)."""
+        forget = getattr(self.policy, "withdraw", None)
+        if forget is None or not futures:
+            return 0
+        wanted = set(futures)
+        now = self.clock()
+        n = 0
+        for rid, p in list(self._queued.items()):
+            if p.future in wanted and forget(rid, now):
+                del self._queued[rid]
+                p.future.cancel()
+                n += 1
+        if n:
+            self.stats.outcomes["withdrawn"] += n
+            self._schedule()  # a plan that waited on the withdrawn head may now change
+        return n
 
     def _retry_after(self) -> float:
         return max(1.0, round(len(self._queued) * 0.01, 1))

@@ -15,10 +15,13 @@ text longer than the longest bucket         413 (unless ``truncate: true``)
 body over ``max_body_bytes``                413
 unknown model or task                       404
 no such route / method                      404 / 405 (with Allow)
+more inputs than ``max_queue`` can hold     413
 queue full (admission control)              429 + Retry-After
 not warm yet / shutting down                503
 a batch that failed twice on its worker     500
 anything unforeseen (a bug)                 500, logged with its traceback
+the client left before its answer (its      499 in the metrics and log (nobody
+queued items are withdrawn, never run)      is left to read it)
 =========================================  ======
 
 Every error, whatever raised it, is JSON ``{"error": {"status", "message", "field"}}``.
@@ -44,7 +47,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxserve.engine import Answer, Draining, Engine, ExecutionFailed, Item, Overloaded
+from jaxserve.engine import Answer, Draining, Engine, ExecutionFailed, Item, Overloaded, TooManyItems
 from serving.metrics import Metrics
 from serving.schemas import (
     ClassifyImageRequest,
@@ -71,6 +74,15 @@ class ServerState:
     warm_error: str | None = None
     started: float = field(default_factory=time.monotonic)
     info: dict[str, Any] = field(default_factory=dict)
+
+
+async def _client_gone(receive) -> None:
+    """Return once the client has closed its connection. Called after the body was read,
+    so the server's next ASGI message for this request can only be ``http.disconnect``
+    (uvicorn blocks until then); anything else is skipped, with a pause so that a server
+    that answered at once could not make this spin."""
+    while (await receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.05)
 
 
 def _error(status: int, message: str, field: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -343,15 +355,31 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Fas
             out.append(seq)
         return out
 
-    async def run_items(items: list[Item], path: str) -> list[Answer]:
+    async def run_items(items: list[Item], http: Request, field_name: str) -> list[Answer]:
+        """Submit ``items`` and wait for their answers, or for the client to go away: then
+        the items still queued are withdrawn (they never run) and the request ends as 499
+        (nginx's "client closed request"; nobody reads it, the metrics and log do)."""
         eng = engine()
         try:
             futures = eng.submit(items)
+        except TooManyItems as exc:
+            raise ApiError(413, str(exc), field_name)
         except Overloaded as exc:
             raise ApiError(429, str(exc), headers={"Retry-After": str(int(math.ceil(exc.retry_after_s)))})
         except Draining as exc:
             raise ApiError(503, str(exc))
-        results = await asyncio.gather(*futures, return_exceptions=True)
+        answers = asyncio.gather(*futures, return_exceptions=True)
+        gone = asyncio.ensure_future(_client_gone(http.receive))
+        try:
+            await asyncio.wait((answers, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not answers.done():
+            withdrawn = eng.withdraw(futures)
+            log.info("client closed %s before its answer; %d of %d items withdrawn unrun", http.url.path,
+                     withdrawn, len(futures))
+            raise ApiError(499, f"client closed the request; {withdrawn} of {len(futures)} items withdrawn")
+        results = answers.result()
         for item, r in zip(items, results):
             if isinstance(r, Answer):
                 metrics.observe_answer(item.model, r.outcome, r.latency_ms / 1e3,
@@ -364,7 +392,7 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Fas
         return results
 
     @app.post("/v1/embeddings", response_model=EmbeddingsResponse)
-    async def embeddings(req: EmbeddingsRequest):
+    async def embeddings(req: EmbeddingsRequest, http: Request):
         rt = runtime(req.model, "text")
         if req.dimensions is not None and req.dimensions != rt.embedding_dim:
             raise ApiError(422, f"dimensions={req.dimensions}: {rt.name} embeds into exactly {rt.embedding_dim} "
@@ -372,7 +400,7 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Fas
         texts = [req.input] if isinstance(req.input, str) else req.input
         ids = await tokenize(rt, texts, req.truncate, "input")
         answers = await run_items(
-            [Item(req.model, seq, len(seq), "", req.slo_ms) for seq in ids], "/v1/embeddings")
+            [Item(req.model, seq, len(seq), "", req.slo_ms) for seq in ids], http, "input")
 
         def vector(a: Answer):
             if a.outcome == "evicted":
@@ -399,21 +427,21 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Fas
         return FastJSON({"model": model, "task": task, "results": results})
 
     @app.post("/v1/classify/text", response_model=ClassifyResponse)
-    async def classify_text(req: ClassifyTextRequest):
+    async def classify_text(req: ClassifyTextRequest, http: Request):
         rt = runtime(req.model, "text")
         head(rt, req.task)
         ids = await tokenize(rt, req.inputs, req.truncate, "inputs")
         answers = await run_items(
-            [Item(req.model, seq, len(seq), req.task, req.slo_ms, req.utility) for seq in ids], "/v1/classify/text")
+            [Item(req.model, seq, len(seq), req.task, req.slo_ms, req.utility) for seq in ids], http, "inputs")
         return classify_response(req.model, req.task, rt, answers, "/v1/classify/text")
 
     @app.post("/v1/classify/image", response_model=ClassifyResponse)
-    async def classify_image(req: ClassifyImageRequest):
+    async def classify_image(req: ClassifyImageRequest, http: Request):
         rt = runtime(req.model, "image")
         head(rt, req.task)
         images = [decode_image(raw, rt.image_shape, i) for i, raw in enumerate(req.inputs)]
         answers = await run_items(
-            [Item(req.model, img, 0, req.task, req.slo_ms, req.utility) for img in images], "/v1/classify/image")
+            [Item(req.model, img, 0, req.task, req.slo_ms, req.utility) for img in images], http, "inputs")
         return classify_response(req.model, req.task, rt, answers, "/v1/classify/image")
 
     @app.get("/v1/models")

@@ -46,7 +46,8 @@ class _EngineCollector:
         g = GaugeMetricFamily("jaxserve_in_flight", "items queued or running")
         g.add_metric([], eng.in_flight)
         yield g
-        g = GaugeMetricFamily("jaxserve_items", "answered items by outcome", labels=["outcome"])
+        g = GaugeMetricFamily("jaxserve_items", "items by outcome: ok, late, evicted, error, or withdrawn "
+                              "(its client left before it ran)", labels=["outcome"])
         for outcome, n in sorted(eng.stats.outcomes.items()):
             g.add_metric([outcome], n)
         yield g

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from jaxserve.engine import Answer, Draining, Engine, ExecutionFailed, Item, Overloaded
+from jaxserve.engine import Answer, Draining, Engine, ExecutionFailed, Item, Overloaded, TooManyItems
 from jaxserve.models.bert import BERT_CONFIGS, BertConfig, init_bert
 from jaxserve.polymorph import PolymorphTable
 from jaxserve.runtime import ModelRuntime
@@ -105,6 +105,40 @@ def test_each_item_answered_exactly_once_with_mixed_deadlines(table):
             assert a.latency_ms >= a.queue_ms + a.compute_ms - 1e-6
             if a.outcome == "evicted":
                 assert a.latency_ms == a.queue_ms and a.compute_ms == 0
+        engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_withdrawn_items_never_run_and_the_rest_are_answered(table):
+    """A client that leaves: its queued items are taken back before they run (their futures
+    cancelled, outcome ``withdrawn``); items already running finish; a later submission is
+    served as usual, and draining does not wait for the withdrawn ones."""
+    async def scenario():
+        engine = make_engine(table, weights_of(init_bert(CFG)))
+        running = engine.submit(items(4))  # a full batch: on the one instance at once
+        queued = engine.submit(items(3))  # waits behind it
+        assert engine.queue_depth == 3
+        assert engine.withdraw(running + queued) == 3  # the running four cannot be taken back
+        assert all(f.cancelled() for f in queued) and engine.queue_depth == 0
+        assert engine.withdraw(queued) == 0  # nothing twice
+        later = engine.submit(items(2))
+        answers = await asyncio.gather(*running, *later)
+        assert [a.outcome for a in answers] == ["ok"] * 6
+        assert engine.stats.outcomes["withdrawn"] == 3
+        assert engine.stats.batches == 2  # the withdrawn three never formed a batch
+        assert await engine.drain(timeout_s=30) and engine.in_flight == 0
+        engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_larger_than_the_queue_is_refused_for_good_not_asked_to_retry(table):
+    async def scenario():
+        engine = make_engine(table, weights_of(init_bert(CFG)), max_queue=5)
+        with pytest.raises(TooManyItems, match="6 items in one request; this server queues at most 5"):
+            engine.submit(items(6))
+        assert engine.queue_depth == 0
         engine.close()
 
     asyncio.run(scenario())

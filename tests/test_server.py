@@ -313,6 +313,52 @@ def test_every_request_gets_exactly_one_answer_under_overload(server):
     assert metrics_before != m
 
 
+def _series(url: str, prefix: str) -> float | None:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(prefix + " "):
+            return float(line.split()[-1])
+    return None
+
+
+def _until(what, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if what():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_client_that_leaves_gets_its_queued_items_withdrawn(tmp_path):
+    """A client closes its connection while its item waits in the queue (max_wait 60 s, so
+    it waits for a full batch): the item is withdrawn and never runs, the request counts
+    as 499, and the server answers the next client as usual. A request with more inputs
+    than the queue can ever hold is a 413 naming the limit, not a 429 to retry forever."""
+    settings = ServeSettings(models=("minilm-l6",), cache_dir=str(tmp_path / "cache"), max_queue=8,
+                             max_wait_ms=60_000, progress=False,
+                             text_grid=ShapeGrid(batch_sizes=(1, 4), seq_buckets=(16,)))
+    with LiveServer(settings) as srv:
+        body = b'{"input": ["a client that will not wait"]}'
+        sock = socket.create_connection(("127.0.0.1", srv.port))
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        assert _until(lambda: _series(srv.url, "jaxserve_queue_depth") == 1.0)
+        sock.close()
+        assert _until(lambda: _series(srv.url, 'jaxserve_items{outcome="withdrawn"}') == 1.0)
+        assert _series(srv.url, "jaxserve_queue_depth") == 0.0
+        assert _series(srv.url, 'jaxserve_requests_total{path="/v1/embeddings",status="499"}') == 1.0
+        assert _series(srv.url, 'jaxserve_items{outcome="ok"}') is None  # it never ran
+
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            r = c.post("/v1/embeddings", json={"input": ["x"] * 9})
+            assert r.status_code == 413, r.text
+            assert r.json()["error"]["field"] == "input" and "at most 8" in r.json()["error"]["message"]
+            r = c.post("/v1/embeddings", json={"input": ["one", "two", "three", "four"]})  # a full batch
+            assert r.status_code == 200 and len(r.json()["data"]) == 4
+        assert _series(srv.url, 'jaxserve_items{outcome="ok"}') == 4.0
+        assert _series(srv.url, "jaxserve_compilations_since_ready") == 0.0
+
+
 def test_tight_slo_is_answered_evicted_not_dropped(client):
     r = client.post("/v1/embeddings", json={"input": ["quick"] * 4, "slo_ms": 0.001})
     assert r.status_code == 200
