@@ -1,0 +1,148 @@
+"""Clients that give up: what withdrawing their queued items buys under overload.
+
+Real clients have timeouts. When a server is overloaded, a client that waited too long
+closes its connection (and often retries). A server that keeps its items queued then
+spends its capacity on answers nobody reads, while the clients still waiting queue
+behind that dead work: past the point where the queue's wait exceeds the clients'
+patience, almost nothing is answered in time. jaxserve withdraws a request's queued
+items when its client disconnects (``Engine.withdraw``; they never run).
+
+Two arms, one run, the same trace (real tweets, Poisson arrivals above capacity) against
+``jaxserve serve --model minilm-l6`` with its defaults:
+
+* ``withdraw``: the server as shipped;
+* ``keep``: the same server with ``Engine.withdraw`` replaced by a no-op in its process
+  (an ablation: abandoned items stay queued and run, as in a server without the feature).
+
+Every client gives up after ``--timeout`` seconds and closes its connection. Reported per
+arm: answers received in time per second (goodput), their latency, how many clients gave
+up, how many were refused with 429, and from the server's ``/metrics`` once it is idle
+again: items computed, items withdrawn, and items computed for clients that had left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+
+import httpx
+import numpy as np
+import orjson
+
+from bench.common import record, table
+from bench.httpload import Pool, at
+from bench.load import TEXT_PATH, arrivals, sample_texts, start, stop
+
+ABLATION = ("import sys, jaxserve.engine as e; e.Engine.withdraw = lambda self, futures: 0; "
+            "from jaxserve.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+async def impatient(url: str, schedule: np.ndarray, texts: list[str], timeout_s: float, send_slo: bool) -> dict:
+    """Open loop; each client closes its connection after ``timeout_s`` without an answer
+    (and with ``send_slo`` tells the server so, as ``slo_ms``)."""
+    pool = Pool(url, timeout=timeout_s)
+    counts = {"answered": 0, "evicted": 0, "gave_up": 0, "429": 0, "other": 0}
+    extra = {"slo_ms": timeout_s * 1e3} if send_slo else {}
+    latencies: list[float] = []
+    start_t = time.perf_counter()
+
+    async def one(i: int, when: float):
+        await at(start_t, when)
+        try:
+            r = await pool.post(TEXT_PATH, orjson.dumps({"input": texts[i % len(texts)], **extra}))
+        except asyncio.TimeoutError:
+            counts["gave_up"] += 1
+            return
+        except (OSError, asyncio.IncompleteReadError):
+            counts["other"] += 1
+            return
+        if r.status == 200 and orjson.loads(r.body)["data"][0]["meta"]["outcome"] == "evicted":
+            counts["evicted"] += 1  # answered at once: the server saw it could not make slo_ms
+        elif r.status == 200:
+            counts["answered"] += 1
+            latencies.append(time.perf_counter() - start_t - when)
+        elif r.status == 429:
+            counts["429"] += 1
+        else:
+            counts["other"] += 1
+
+    try:
+        await asyncio.gather(*(one(i, float(t)) for i, t in enumerate(schedule)))
+    finally:
+        await pool.close()
+    return {**counts, "latencies": np.array(latencies)}
+
+
+def server_items(url: str, settle_s: float = 120.0) -> dict[str, float]:
+    """``jaxserve_items`` by outcome once nothing is queued or running any more."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        values = {}
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("jaxserve_items{"):
+                values[line.split('"')[1]] = float(line.split()[-1])
+            elif line.startswith("jaxserve_in_flight "):
+                values["in_flight"] = float(line.split()[-1])
+        if values.get("in_flight", 0) == 0 or time.monotonic() > deadline:
+            return values
+        time.sleep(0.5)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rate", type=float, default=360.0, help="offered requests/s (capacity here: ~180/s)")
+    ap.add_argument("--duration", type=float, default=20.0)
+    ap.add_argument("--timeout", type=float, default=1.0, help="seconds each client waits before it leaves")
+    ap.add_argument("--port", type=int, default=8021)
+    ap.add_argument("--cache-dir", default="compiled_cache")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    texts = sample_texts()
+    schedule = arrivals("poisson", args.rate, args.duration, args.seed)
+    url = f"http://127.0.0.1:{args.port}"
+    serve = ["serve", "--model", "minilm-l6", "--port", str(args.port), "--cache-dir", args.cache_dir]
+    shipped = [sys.executable, "-m", "jaxserve.cli", *serve]
+    arms = {"withdraw": (shipped, False), "keep": ([sys.executable, "-c", ABLATION, *serve], False),
+            "withdraw, clients send slo_ms": (shipped, True)}
+    rows, goodput = [], {}
+    for name, (cmd, send_slo) in arms.items():
+        print(f"{name}: starting the server", flush=True)
+        server = start(cmd, url)
+        try:
+            print(f"{name}: {len(schedule)} requests at {args.rate:.0f}/s, clients leave after {args.timeout} s",
+                  flush=True)
+            res = asyncio.run(impatient(url, schedule, texts, args.timeout, send_slo))
+            items = server_items(url)
+        finally:
+            stop(server)
+        computed = items.get("ok", 0) + items.get("late", 0)
+        nobody = computed - res["answered"]
+        goodput[name] = res["answered"] / args.duration
+        lat = res["latencies"]
+        p = (lambda q: f"{np.percentile(lat, q) * 1e3:.0f}") if len(lat) else (lambda q: "-")
+        rows.append([name, str(len(schedule)), f"{goodput[name]:.1f}", p(50), p(98), str(res["gave_up"]),
+                     str(res["429"]), str(res["evicted"]), str(res["other"]), f"{computed:.0f}",
+                     f"{items.get('withdrawn', 0):.0f}", f"{nobody:.0f}"])
+        print(f"  {rows[-1]}", flush=True)
+    body = table(["server", "sent", "answered in time /s", "p50 ms", "p98 ms", "clients gave up", "429",
+                  "evicted", "other", "items computed", "withdrawn", "computed for nobody"], rows)
+    keep = goodput["keep"] or float("nan")
+    notes = (f"Offered {args.rate:.0f} requests/s (one text each) for {args.duration:.0f} s, Poisson, real "
+             f"tweets; every client leaves after {args.timeout} s. Answers in time, ratio to keep: withdraw "
+             f"**{goodput['withdraw'] / keep:.1f}x**, withdraw with slo_ms "
+             f"**{goodput['withdraw, clients send slo_ms'] / keep:.1f}x**. \"computed for nobody\": items the "
+             f"server ran whose client had already left (items computed minus answers received). Withdrawal "
+             f"only reaches items still queued: under overload a FIFO queue's wait approaches the clients' "
+             f"patience, so many items start just before their client leaves and finish after. A client that "
+             f"sends its timeout as slo_ms lets the policy evict (answered at once, `evicted`) what can no "
+             f"longer finish in time instead.")
+    print(body + "\n\n" + notes)
+    if args.write:
+        record("abandon", "Clients that give up: withdrawing their queued items (bench/abandon.py)", body, notes)
+
+
+if __name__ == "__main__":
+    main()
