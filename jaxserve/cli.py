@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -287,7 +288,8 @@ def cmd_simulate(args) -> int:
     # DT's modelled dynamic-shape cost replaces the static cell's price
     result = simulate(policy, trace, cost, instances=args.instances,
                       service_time=getattr(policy, "service_time", None), latency_noise=args.latency_noise,
-                      batch_overhead=args.batch_overhead_ms / 1e3, seed=args.seed)
+                      batch_overhead=args.batch_overhead_ms / 1e3, seed=args.seed,
+                      client_timeout=args.client_timeout_ms / 1e3 if args.client_timeout_ms else math.inf)
     wall = time.perf_counter() - t0
     summary = result.summary()
     summary["wall_seconds"] = wall
@@ -448,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--batch-overhead-ms", type=NON_NEGATIVE, default=0.0,
                     help="time each batch holds its instance beyond compute (live: the server's "
                          "jaxserve_batch_handoff_seconds)")
+    sp.add_argument("--client-timeout-ms", type=POSITIVE, default=None,
+                    help="each client leaves this long after sending; a request still queued then is "
+                         "withdrawn, as the server does when a connection closes (default: clients wait)")
     sp.add_argument("--seed", type=int, default=0)
     sp.set_defaults(fn=cmd_simulate)
 

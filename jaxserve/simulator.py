@@ -15,8 +15,9 @@ loop, which is busy with HTTP). The server reports it per batch as
 compute_ms``; ``bench/fidelity.py`` measures it on a calibration trace. The policy
 does not see it, live or simulated: its cost model prices compute only.
 
-Simultaneous events run completions first (they free instances), then arrivals
-in trace order, then the wake-up; ``plan`` is called after each one.
+Simultaneous events run completions first (they free instances), then clients
+leaving (below), then arrivals in trace order, then the wake-up; ``plan`` is called
+after each one.
 
 Admission is the engine's: a request the policy's bounded queue cannot take
 (``policy.admits(model)`` if the policy has it, else ``queue_depth() <
@@ -24,6 +25,15 @@ max_queue``) is *rejected* (HTTP 429). Every request ends in exactly one outcome
 ``ok`` (finished by its deadline), ``late``, ``evicted`` or ``rejected``; the
 simulator checks the plans it is given (idle instances only, each request queued
 exactly once) and raises if a policy breaks that contract or strands requests.
+
+Impatient clients (``client_timeout``): as live, a client leaves ``client_timeout``
+seconds after it sent its request. If the request is still queued then, the
+simulator calls ``policy.withdraw`` as the engine does when the connection closes:
+outcome ``withdrawn``, it never runs. One that runs anyway (already dispatched, or a
+policy without ``withdraw``) and finishes after its client left is ``abandoned``:
+computed for nobody. A leave at the very instant of a completion comes after it
+(simultaneous events above): the answer arrived in time. Evictions and rejections
+keep their outcomes (the client got that answer, or would have).
 """
 
 from __future__ import annotations
@@ -38,10 +48,10 @@ import numpy as np
 from jaxserve.sched.base import Batch, Cell, CostModel, Policy, Request
 from jaxserve.traces import Trace
 
-__all__ = ["OUTCOMES", "OK", "LATE", "EVICTED", "REJECTED", "SimResult", "simulate"]
+__all__ = ["OUTCOMES", "OK", "LATE", "EVICTED", "REJECTED", "WITHDRAWN", "ABANDONED", "SimResult", "simulate"]
 
-OUTCOMES = ("ok", "late", "evicted", "rejected")
-OK, LATE, EVICTED, REJECTED = range(4)
+OUTCOMES = ("ok", "late", "evicted", "rejected", "withdrawn", "abandoned")
+OK, LATE, EVICTED, REJECTED, WITHDRAWN, ABANDONED = range(6)
 _INF = math.inf
 _PENDING, _QUEUED, _RUNNING, _DONE = range(4)
 
@@ -85,8 +95,12 @@ class SimResult:
         return {name: int(c) for name, c in zip(OUTCOMES, counts)}
 
     def completed(self) -> np.ndarray:
-        """Mask of requests that ran to completion (ok or late)."""
+        """Mask of requests whose answer reached their client (ok or late)."""
         return self.outcome <= LATE
+
+    def computed(self) -> np.ndarray:
+        """Mask of requests that ran: answered (ok, late) or computed for nobody (abandoned)."""
+        return (self.outcome <= LATE) | (self.outcome == ABANDONED)
 
     def slo_attainment(self) -> float:
         """Fraction of *all* requests answered by their deadline (evicted and
@@ -183,6 +197,7 @@ def simulate(
     batch_overhead: float = 0.0,
     seed: int | np.random.Generator | None = 0,
     max_queue: float = math.inf,
+    client_timeout: float = math.inf,
 ) -> SimResult:
     """Run ``trace`` through ``policy`` on ``instances`` identical instances.
 
@@ -198,9 +213,12 @@ def simulate(
             live hand-off; see the module docstring).
         seed: for the noise.
         max_queue: admission bound used only if the policy has no ``admits(model)``.
+        client_timeout: seconds after which each client leaves (module docstring).
     """
     if instances < 1:
         raise ValueError("need at least one instance")
+    if not client_timeout > 0:
+        raise ValueError("client_timeout must be > 0")
     n = len(trace)
     arrival = trace.arrival.tolist()
     deadline_arr = trace.arrival + trace.slo_s
@@ -242,24 +260,45 @@ def simulate(
     on_completion = policy.on_completion
     plan_fn = policy.plan
     queue_depth = policy.queue_depth
+    withdraw = getattr(policy, "withdraw", None)
 
     idle = list(range(instances))
     busy = [False] * instances
     completions: list[tuple[float, int]] = []
     wake = _INF
     i = 0
+    gone = 0  # the next client to leave: leaving times are in arrival order
+    impatient = client_timeout < _INF
     now = 0.0
     while True:
         ta = arrival[i] if i < n else _INF
         tc = completions[0][0] if completions else _INF
-        if tc <= ta and tc <= wake:
+        tl = _INF
+        if impatient:
+            while gone < i and state[gone] != _QUEUED:  # answered or running: nothing to withdraw
+                gone += 1
+            if gone < i:
+                tl = arrival[gone] + client_timeout
+        if tl < tc and tl <= ta and tl <= wake:
+            now = tl
+            r = gone
+            gone += 1
+            if withdraw is None or not withdraw(r, now):
+                continue  # it stays queued; if it runs, it ends abandoned
+            state[r] = _DONE
+            finish[r] = now
+            outcome[r] = WITHDRAWN  # and, as in the engine, the policy plans again
+        elif tc <= ta and tc <= wake:
             if tc == _INF:
                 break
             now, b = heappop(completions)
             batch = batches[b]
             for r in batch.request_ids:
                 finish[r] = now
-                outcome[r] = OK if now <= deadline[r] else LATE
+                if now > arrival[r] + client_timeout:
+                    outcome[r] = ABANDONED
+                else:
+                    outcome[r] = OK if now <= deadline[r] else LATE
                 state[r] = _DONE
             busy[batch.instance] = False
             idle.append(batch.instance)

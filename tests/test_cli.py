@@ -47,6 +47,14 @@ def test_simulate_replays_a_trace_file(tmp_path):
     held = json.loads(run("simulate", "--cost-model", str(tmp_path / "cost.json"), "--trace", str(trace),
                           "--batch-overhead-ms", "2", "--latency-noise", "0.1").stdout)
     assert held["mean_latency"] > summary["mean_latency"] + 0.002
+    # clients that leave after 20 ms while the trace runs at 4x one instance's pace
+    fast = tmp_path / "fast.csv"
+    fast.write_text("\n".join(["arrival,length,slo_ms,utility"]
+                              + [f"{i * 0.0005:.4f},60,1000,1" for i in range(300)]) + "\n")
+    left = json.loads(run("simulate", "--cost-model", str(tmp_path / "cost.json"), "--trace", str(fast),
+                          "--client-timeout-ms", "20").stdout)
+    assert left["withdrawn"] > 0
+    assert sum(left[k] for k in ("ok", "late", "evicted", "rejected", "withdrawn", "abandoned")) == 300
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -60,6 +68,7 @@ def test_simulate_replays_a_trace_file(tmp_path):
     (["serve", "--cost-model", "/no/such/cost.json"], "no such file"),
     (["simulate", "--rate", "0"], "> 0"),
     (["simulate", "--requests", "1.5"], "--requests"),
+    (["simulate", "--client-timeout-ms", "0"], "--client-timeout-ms"),
     (["profile", "--repeats", "0"], "--repeats"),
     (["train-prompts", "--prompts", "2,-4"], "--prompts"),
     (["warmup", "--cache-dir", "/proc/no-cache-here"], "cannot create"),

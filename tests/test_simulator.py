@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve.sched.base import Batch, Cell, CostModel, LatencyProfile, Plan, Request, ShapeGrid
 from jaxserve.sched.batching import DeadlineBatching
-from jaxserve.simulator import EVICTED, LATE, OK, OUTCOMES, REJECTED, simulate
+from jaxserve.simulator import ABANDONED, EVICTED, LATE, OK, OUTCOMES, REJECTED, WITHDRAWN, simulate
 from jaxserve.traces import make_trace, merge_traces, poisson_arrivals, sample_lengths
 
 INF = math.inf
@@ -41,10 +41,50 @@ def test_hand_computed_run_is_exact():
     assert r.latencies().tolist() == [1.75, 1.5, 1.25, 1.75]
     assert r.queue_times().tolist() == [0.25, 0.0, 0.25, 0.75]
     assert r.mean_batch_size() == pytest.approx(4 / 3)
-    assert r.outcome_counts() == {"ok": 4, "late": 0, "evicted": 1, "rejected": 0}
+    assert r.outcome_counts() == {"ok": 4, "late": 0, "evicted": 1, "rejected": 0, "withdrawn": 0, "abandoned": 0}
     assert r.slo_attainment() == 0.8
     assert r.span() == 4.25 and r.throughput() == 4 / 4.25
     assert r.utilization() == pytest.approx(3.5 / 4.25)
+
+
+class _NoWithdraw:
+    """A policy as one without ``withdraw`` (a third-party policy) would behave."""
+
+    def __init__(self, policy):
+        self._policy = policy
+
+    def __getattr__(self, name):
+        if name == "withdraw":
+            raise AttributeError(name)
+        return getattr(self._policy, name)
+
+
+def test_impatient_clients_hand_computed():
+    # One instance, no deadlines, max_wait 0; clients leave 1.2 s after sending. r0 runs
+    # alone 0 -> 1.0 (answered in time). r1, r2, r3 queue; at 1.0 the batch (r1, r2) runs
+    # to 2.5, after both clients left (1.3, 1.4): abandoned. r3's client leaves at 1.5 while
+    # it is queued: withdrawn, never run. r4 (2.4) runs alone 2.5 -> 3.5, before its client
+    # leaves at 3.6. Without withdraw, r3 stays queued and runs with r4 (2.5 -> 4.0): both
+    # answers come after their clients left.
+    trace = make_trace([0.0, 0.1, 0.2, 0.3, 2.4], model="vit")
+    r = simulate(DeadlineBatching(TINY_GRID, TINY_COST, max_queue=10, max_wait=0.0), trace, TINY_COST,
+                 instances=1, client_timeout=1.2)
+    assert [OUTCOMES[o] for o in r.outcome] == ["ok", "abandoned", "abandoned", "withdrawn", "ok"]
+    assert r.finish.tolist() == [1.0, 2.5, 2.5, 1.5, 3.5]
+    assert r.computed().tolist() == [True, True, True, False, True]
+    assert r.completed().tolist() == [True, False, False, False, True]
+    assert r.batch_count.tolist() == [1, 2, 1]
+    kept = simulate(_NoWithdraw(DeadlineBatching(TINY_GRID, TINY_COST, max_queue=10, max_wait=0.0)), trace,
+                    TINY_COST, instances=1, client_timeout=1.2)
+    assert [OUTCOMES[o] for o in kept.outcome] == ["ok", "abandoned", "abandoned", "abandoned", "abandoned"]
+    assert kept.finish.tolist() == [1.0, 2.5, 2.5, 4.0, 4.0]
+    # patience without limit is the plain run
+    plain = simulate(DeadlineBatching(TINY_GRID, TINY_COST, max_queue=10, max_wait=0.0), trace, TINY_COST,
+                     instances=1)
+    assert set(OUTCOMES[o] for o in plain.outcome) == {"ok"}
+    with pytest.raises(ValueError, match="client_timeout"):
+        simulate(DeadlineBatching(TINY_GRID, TINY_COST, max_queue=10), trace, TINY_COST, instances=1,
+                 client_timeout=0.0)
 
 
 def test_two_instances_run_in_parallel_and_full_queue_rejects():
@@ -108,6 +148,33 @@ def test_conservation_every_request_has_exactly_one_outcome(load_rate):
     assert np.array_equal(np.bincount(r.batch[ran], minlength=len(r.batch_count)), r.batch_count)
     assert np.all(r.cell_batch[ran] >= r.batch_count[r.batch[ran]])
     assert np.all(r.finish >= r.arrival)
+
+
+@pytest.mark.parametrize("load_rate", [3000.0, 20000.0])
+def test_conservation_with_impatient_clients(load_rate):
+    """Clients leave after 30 ms: a withdrawn request never ran and ended when its client
+    left; an answered one came back before; an abandoned one ran and finished after."""
+    grids, cost = _text_setup()
+    n, timeout = 5000, 0.03
+    trace = make_trace(poisson_arrivals(load_rate, n=n, seed=1), model="bert",
+                       length=sample_lengths(np.arange(1, 65), n, seed=2),
+                       slo_s=np.random.default_rng(3).choice([0.005, 0.05, INF], n))
+    policy = DeadlineBatching(grids, cost, max_queue=200, max_wait=0.002)
+    r = simulate(policy, trace, cost, instances=2, latency_noise=0.3, seed=4, client_timeout=timeout)
+    counts = r.outcome_counts()
+    assert sum(counts.values()) == n and counts["withdrawn"] > 0
+    ran = r.batch >= 0
+    assert np.array_equal(ran, r.computed())
+    assert r.batch_count.sum() == counts["ok"] + counts["late"] + counts["abandoned"]
+    withdrawn, abandoned = r.outcome == WITHDRAWN, r.outcome == ABANDONED
+    assert np.allclose(r.finish[withdrawn], r.arrival[withdrawn] + timeout)
+    assert np.all(r.finish[abandoned] > r.arrival[abandoned] + timeout)
+    assert np.all(r.finish[r.completed()] <= r.arrival[r.completed()] + timeout)
+    # every request still queued when its client left was withdrawn, so the abandoned ones
+    # had started by then
+    assert np.all(r.start[abandoned] <= r.arrival[abandoned] + timeout)
+    assert np.isnan(r.start[withdrawn]).all()
+    assert policy.queue_depth() == 0
     assert np.all(r.start[ran] >= r.arrival[ran])
     ok = r.outcome == OK
     assert np.all(r.finish[ok] <= r.deadline[ok])
