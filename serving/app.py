@@ -376,7 +376,7 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Fas
             gone.cancel()
         if not answers.done():
             withdrawn = eng.withdraw(futures)
-            log.info("client closed %s before its answer; %d of %d items withdrawn unrun", http.url.path,
+            log.debug("client closed %s before its answer; %d of %d items withdrawn unrun", http.url.path,
                      withdrawn, len(futures))
             raise ApiError(499, f"client closed the request; {withdrawn} of {len(futures)} items withdrawn")
         results = answers.result()
