@@ -27,11 +27,10 @@ import asyncio
 import sys
 import time
 
-import httpx
 import numpy as np
 import orjson
 
-from bench.common import record, table
+from bench.common import record, scrape, table
 from bench.httpload import Pool, at
 from bench.load import TEXT_PATH, arrivals, sample_texts, start, stop
 
@@ -79,14 +78,9 @@ def server_items(url: str, settle_s: float = 120.0) -> dict[str, float]:
     """``jaxserve_items`` by outcome once nothing is queued or running any more."""
     deadline = time.monotonic() + settle_s
     while True:
-        values = {}
-        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("jaxserve_items{"):
-                values[line.split('"')[1]] = float(line.split()[-1])
-            elif line.startswith("jaxserve_in_flight "):
-                values["in_flight"] = float(line.split()[-1])
-        if values.get("in_flight", 0) == 0 or time.monotonic() > deadline:
-            return values
+        series = scrape(url, "jaxserve_items{", "jaxserve_in_flight ")
+        if series.get("jaxserve_in_flight", 0) == 0 or time.monotonic() > deadline:
+            return {name.split('"')[1]: v for name, v in series.items() if name.startswith("jaxserve_items{")}
         time.sleep(0.5)
 
 

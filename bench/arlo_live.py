@@ -44,7 +44,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_
 
 import numpy as np  # noqa: E402
 
-from bench.common import PLOTS, record, save_plot, table  # noqa: E402
+from bench.common import PLOTS, record, save_plot, scrape, table  # noqa: E402
 from bench.load import start, stop  # noqa: E402
 
 MODEL = "minilm-l6"
@@ -160,17 +160,6 @@ def serve_cmd(policy: str, port: int, cache: str, slo_ms: float) -> list[str]:
             "--arlo-period-s", "30", "--max-queue", "100000"]
 
 
-def policy_metrics(url: str) -> dict[str, float]:
-    import httpx
-
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("jaxserve_policy_") or line.startswith("jaxserve_compilations_since_ready"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def main() -> None:
     from jaxserve.profiler import load_cost_model
 
@@ -212,7 +201,7 @@ def main() -> None:
             proc = start(serve_cmd(name, args.port, args.cache_dir, slo * 1e3), url)
             try:
                 res = asyncio.run(open_loop(url, schedule, sent, slo * 1e3))
-                m = policy_metrics(url)
+                m = scrape(url, "jaxserve_policy_", "jaxserve_compilations_since_ready")
             finally:
                 stop(proc)
             samples[name].append(res)

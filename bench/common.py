@@ -69,6 +69,19 @@ def splice(section_text: str) -> None:
     RESULTS.write_text(text)
 
 
+def scrape(url: str, *prefixes: str) -> dict[str, float]:
+    """A server's ``/metrics`` series (``name{labels}`` -> value) whose line starts with any
+    of ``prefixes``."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(prefixes):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 def save_plot(fig, ax, path: Path, legend_size=None, dpi: int = 120) -> Path:
     """Finish a one-axes figure the way every benchmark plot looks (grid, legend) and write it."""
     import matplotlib.pyplot as plt
