@@ -35,7 +35,8 @@ def cmd_warmup(args) -> int:
 
     t0 = time.perf_counter()
     cache = CompileCache(args.cache_dir, rebuild_serialized=True)  # the deploy job fills the fast path
-    settings = ServeSettings(models=_models(args), cache_dir=args.cache_dir, precision=args.precision)
+    settings = ServeSettings(models=_models(args), cache_dir=args.cache_dir, precision=args.precision,
+                             **_grids(args))
     runtimes = load_runtimes(settings, cache)
     for name, rt in runtimes.items():
         sources = {}
@@ -141,26 +142,30 @@ def _otas_extra(args) -> dict:
     return {"otas": {"tome_gamma": args.tome_gamma, "vpt_gamma": args.vpt_gamma}}
 
 
-def cmd_serve(args) -> int:
-    from serving.server import ServeSettings, serve
-
+def _grids(args) -> dict:
+    """``text_grid`` and ``image_grid`` as --batch-sizes, --buckets and --gammas (and
+    --policy, for the gammas' default) ask: one rule for warmup, serve and profile, so a
+    warmup job given a server's flags fills exactly the cells that server loads."""
     from jaxserve.registry import DEFAULT_IMAGE_BATCHES, DEFAULT_TEXT_BATCHES, text_grid
     from jaxserve.sched.base import ShapeGrid
 
-    batches = args.batch_sizes or DEFAULT_TEXT_BATCHES
-    models = _models(args)
-    if args.buckets and "minilm-l6" in models:
+    if args.buckets and "minilm-l6" in _models(args):
         from jaxserve.registry import text_max_length
 
         limit = text_max_length()
         if max(args.buckets) > limit:
             raise CliError(f"--buckets: {max(args.buckets)} exceeds minilm-l6's {limit} positions")
+    return {"text_grid": text_grid(buckets=args.buckets, batch_sizes=args.batch_sizes or DEFAULT_TEXT_BATCHES),
+            "image_grid": ShapeGrid(args.batch_sizes or DEFAULT_IMAGE_BATCHES, gammas=_image_gammas(args))}
+
+
+def cmd_serve(args) -> int:
+    from serving.server import ServeSettings, serve
+
     settings = ServeSettings(
-        models=models, cache_dir=args.cache_dir, policy=args.policy, instances=args.instances,
+        models=_models(args), cache_dir=args.cache_dir, policy=args.policy, instances=args.instances,
         max_queue=args.max_queue, max_wait_ms=args.max_wait_ms, cost_model=args.cost_model, precision=args.precision,
-        text_grid=text_grid(buckets=args.buckets, batch_sizes=batches),
-        image_grid=ShapeGrid(args.batch_sizes or DEFAULT_IMAGE_BATCHES, gammas=_image_gammas(args)),
-        extra=_otas_extra(args),
+        **_grids(args), extra=_otas_extra(args),
         slo_ms=args.slo_ms, arlo_period_s=args.arlo_period_s, arlo_max_batch=args.arlo_max_batch,
         dt_penalty=args.dt_penalty, arlo_autoscale_from=args.arlo_autoscale_from,
     )
@@ -177,13 +182,9 @@ def cmd_profile(args) -> int:
 
     if args.staircase:
         return _staircase(args)
-    from jaxserve.registry import DEFAULT_IMAGE_BATCHES
-    from jaxserve.sched.base import ShapeGrid
-
     cache = CompileCache(args.cache_dir)
-    image_grid = ShapeGrid(args.batch_sizes or DEFAULT_IMAGE_BATCHES, gammas=_image_gammas(args))
-    runtimes = load_runtimes(ServeSettings(models=_models(args), cache_dir=args.cache_dir, image_grid=image_grid,
-                                           precision=args.precision), cache)
+    runtimes = load_runtimes(ServeSettings(models=_models(args), cache_dir=args.cache_dir, precision=args.precision,
+                                           **_grids(args)), cache)
     latency = {
         name: profile_table(rt.table, rt.weights, lambda c, rt=rt: example_inputs(rt, c),
                             repeats=args.repeats, progress=True)
@@ -366,6 +367,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
+    def grid(sp):
+        sp.add_argument("--batch-sizes", type=_int_list(1), default=None,
+                        help="e.g. 1,2,4,8 (default: 1,2,4,8,16,32)")
+        sp.add_argument("--buckets", type=_int_list(1), default=None,
+                        help="text buckets, e.g. 16,32,64 (default: profiled staircase)")
+        sp.add_argument("--gammas", type=_int_list(), default=None,
+                        help="image OTAS gammas, e.g. --gammas=-2,0,2 (default: the model's OTAS list under "
+                             "--policy otas|pets|tome|vpt or profile --accuracy, else 0)")
+
     def common(sp):
         sp.add_argument("--model", action="append", choices=MODELS, help="repeatable; default: all")
         sp.add_argument("--cache-dir", type=_cache_dir, default="compiled_cache")
@@ -375,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
 
     sp = sub.add_parser("warmup", help="compile every executable into the cache")
     common(sp)
+    grid(sp)
+    sp.add_argument("--policy", default="default", choices=SERVE_POLICIES,
+                    help="the policy the server will run: only the image grid's default gammas depend on it")
     sp.add_argument("--prune", action="store_true",
                     help="then delete these models' serialized entries that this jaxserve/jax/grid can never "
                          "load again (left by older versions); other models' entries stay")
@@ -395,8 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="log one line per request (off by default: /metrics counts requests, and the log "
                          "line costs the event loop under load)")
     sp.add_argument("--cost-model", type=_existing_file, default=None)
-    sp.add_argument("--batch-sizes", type=_int_list(1), default=None, help="e.g. 1,2,4,8 (default: 1,2,4,8,16,32)")
-    sp.add_argument("--buckets", type=_int_list(1), default=None, help="text buckets, e.g. 16,32,64 (default: profiled staircase)")
+    grid(sp)
     sp.add_argument("--slo-ms", type=POSITIVE, default=None,
                     help="arlo/st/dt/infaas: the stream's SLO (default: the paper's 150 ms scaled by the profile)")
     sp.add_argument("--arlo-period-s", type=POSITIVE, default=120.0, help="arlo: Runtime Scheduler period")
@@ -404,9 +416,6 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--dt-penalty", type=POSITIVE, default=None, help="dt: dynamic-shape slowdown (default 1.22)")
     sp.add_argument("--arlo-autoscale-from", type=POSITIVE_INT, default=None,
                     help="arlo: start N of the --instances worker slots and scale by target tracking (§4)")
-    sp.add_argument("--gammas", type=_int_list(), default=None,
-                    help="image OTAS gammas, e.g. --gammas=-2,0,2 (default: the model's OTAS list under "
-                         "--policy otas|pets|tome|vpt, else 0)")
     sp.add_argument("--tome-gamma", type=int, default=None, help="tome: its fixed gamma (default: the most negative)")
     sp.add_argument("--vpt-gamma", type=int, default=None, help="vpt: its fixed gamma (default 2)")
     sp.set_defaults(fn=cmd_serve)
@@ -422,9 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--tolerance", type=POSITIVE, default=0.25)
     sp.add_argument("--repeats", type=POSITIVE_INT, default=5)
     sp.add_argument("--out", default=None)
-    sp.add_argument("--batch-sizes", type=_int_list(1), default=None, help="image batch sizes, e.g. 1,2,4,8")
-    sp.add_argument("--gammas", type=_int_list(), default=None, help="image gammas, e.g. --gammas=-4,0,2 (default 0; with "
-                                                   "--accuracy the model's OTAS list)")
+    grid(sp)
     sp.add_argument("--accuracy", action="store_true",
                     help="also profile accuracy per (task, gamma) on the held-out profiling split (OTAS)")
     sp.set_defaults(fn=cmd_profile)

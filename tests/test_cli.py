@@ -30,6 +30,43 @@ def test_warmup_writes_manifest_then_loads_serialized(tmp_path):
     assert len(list((cache / "executables").glob("*.bin"))) == 6
 
 
+def test_warmup_takes_the_server_s_grid_flags_so_serve_loads_every_cell(tmp_path):
+    """A deploy job runs warmup with the flags its server will run with: the server then
+    loads every cell of that grid from the serialized fast path and compiles nothing."""
+    import os
+    import socket
+    import time
+
+    import httpx
+
+    cache = tmp_path / "cache"
+    flags = ["--model", "minilm-l6", "--batch-sizes", "1,2", "--buckets", "16,32", "--cache-dir", str(cache)]
+    warm = run("warmup", *flags)
+    assert warm.returncode == 0, warm.stderr
+    assert "minilm-l6: 4 executables (4 compiled)" in warm.stdout
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", *flags, "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    try:
+        deadline, ready = time.monotonic() + 300, False
+        while not ready and time.monotonic() < deadline:
+            assert proc.poll() is None, "the server exited"
+            try:
+                ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200
+            except httpx.TransportError:
+                time.sleep(0.3)
+        assert ready, "the server did not become ready"
+        rows = [e for e in json.loads((cache / "manifest.json").read_text())["entries"] if e["model"] == "minilm-l6"]
+        assert sorted(e["cell"] for e in rows) == ["b1_s16_g0", "b1_s32_g0", "b2_s16_g0", "b2_s32_g0"]
+        assert {e["source"] for e in rows} == {"serialized"}  # the server's own load, not a compile
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
 def test_simulate_replays_a_trace_file(tmp_path):
     cells = {Cell(b, s): 0.001 * b + 0.00005 * s * b for b in (1, 4) for s in (16, 64)}
     cost = CostModel({"minilm-l6": LatencyProfile("minilm-l6", cells)})
