@@ -113,7 +113,7 @@ def free_port() -> int:
 def ensure_ours(proc, url: str, policy: str) -> None:
     """Refuse to load a server that is not the one just started (another job on the port)."""
     body = httpx.get(url + "/v1/models", timeout=10).json()
-    models = [m["id"] for m in body.get("models", [])]
+    models = [m["id"] for m in body.get("data", [])]
     expected = {"otas": "OTASPolicy", "pets": "PetSPolicy", "tome": "FixedToMePolicy", "vpt": "FixedVPTPolicy"}[policy]
     if proc.poll() is not None or models != [MODEL] or body.get("policy") != expected:
         raise RuntimeError(f"{url} is not our {policy} server (models {models}, policy {body.get('policy')})")

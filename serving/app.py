@@ -73,6 +73,7 @@ class ServerState:
     engine: Engine | None = None
     warm_error: str | None = None
     started: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=time.time)  # wall clock, for OpenAI's model "created"
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -444,24 +445,37 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Fas
             [Item(req.model, img, 0, req.task, req.slo_ms, req.utility) for img in images], http, "inputs")
         return classify_response(req.model, req.task, rt, answers, "/v1/classify/image")
 
+    def model_card(name: str, rt) -> dict:
+        """One served model, as OpenAI's model object (``id``, ``object``, ``created``,
+        ``owned_by``: what OpenAI-compatible clients read) plus what jaxserve knows of it."""
+        g = rt.grid
+        return {
+            "id": name, "object": "model", "created": int(state.created), "owned_by": "jaxserve",
+            "kind": rt.kind, "warm": rt.table.warm, "precision": rt.table.servable.precision,
+            "tasks": {t: list(h.labels) for t, h in rt.heads.items()},
+            "grid": {"batch_sizes": list(g.batch_sizes), "seq_buckets": list(g.seq_buckets),
+                     "gammas": list(g.gammas)},
+            "max_tokens": g.max_length if rt.kind == "text" else None,
+            "embedding_dim": rt.embedding_dim,
+            "image_shape": list(rt.image_shape) if rt.image_shape else None,
+        }
+
     @app.get("/v1/models")
     async def models():
+        """OpenAI's model list (``{"object": "list", "data": [...]}``: ``client.models.list()``
+        works), with the server's readiness, policy and settings beside it."""
         eng = state.engine
         if eng is None:
-            return {"ready": False, "models": [], "warm_error": state.warm_error}
-        out = []
-        for name, rt in eng.runtimes.items():
-            g = rt.grid
-            out.append({
-                "id": name, "kind": rt.kind, "warm": rt.table.warm, "precision": rt.table.servable.precision,
-                "tasks": {t: list(h.labels) for t, h in rt.heads.items()},
-                "grid": {"batch_sizes": list(g.batch_sizes), "seq_buckets": list(g.seq_buckets),
-                         "gammas": list(g.gammas)},
-                "max_tokens": g.max_length if rt.kind == "text" else None,
-                "embedding_dim": rt.embedding_dim,
-                "image_shape": list(rt.image_shape) if rt.image_shape else None,
-            })
-        return {"ready": True, "models": out, "policy": type(eng.policy).__name__, **state.info}
+            return {"object": "list", "data": [], "ready": False, "warm_error": state.warm_error}
+        return {"object": "list", "data": [model_card(n, rt) for n, rt in eng.runtimes.items()], "ready": True,
+                "policy": type(eng.policy).__name__, **state.info}
+
+    @app.get("/v1/models/{model}")
+    async def one_model(model: str):
+        eng = engine()
+        if model not in eng.runtimes:
+            raise ApiError(404, f"unknown model {model!r}; served: {sorted(eng.runtimes)}", "model")
+        return model_card(model, eng.runtimes[model])
 
     @app.get("/healthz")
     async def healthz():

@@ -63,7 +63,7 @@ def _check(item: dict, task: str) -> None:
 def test_models_lists_the_tasks_and_gammas(server):
     body = httpx.get(server.url + "/v1/models").json()
     assert body["policy"] == "OTASPolicy"
-    (model,) = body["models"]
+    (model,) = body["data"]
     assert model["grid"]["gammas"] == list(GRID.gammas)
     assert set(model["tasks"]) == set(TASK_LABELS)
 

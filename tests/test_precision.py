@@ -134,7 +134,7 @@ def test_bf16_server_answers_reference_embeddings(tmp_path):
     settings = ServeSettings(models=("minilm-l6",), cache_dir=str(tmp_path / "cache"), progress=False,
                              text_grid=ShapeGrid((1, 4), (16, 64)), precision="bf16")
     with LiveServer(settings) as server, httpx.Client(base_url=server.url, timeout=60) as c:
-        model = c.get("/v1/models").json()["models"][0]
+        model = c.get("/v1/models").json()["data"][0]
         assert model["precision"] == "bf16"
         picks = [i for i, n in enumerate(fx["lengths"]) if n <= 64][:8]
         r = c.post("/v1/embeddings", json={"model": "minilm-l6", "input": [str(fx["sentences"][i]) for i in picks]})

@@ -72,7 +72,7 @@ def client(server):
 def test_health_ready_and_models(client):
     assert client.get("/healthz").json()["status"] == "alive"
     assert client.get("/readyz").status_code == 200
-    models = {m["id"]: m for m in client.get("/v1/models").json()["models"]}
+    models = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
     assert models["minilm-l6"]["grid"]["seq_buckets"] == [16, 64]
     assert models["minilm-l6"]["warm"] is True
     assert "sentiment" in models["minilm-l6"]["tasks"]
@@ -109,6 +109,12 @@ def test_openai_python_client_gets_the_reference_vectors(server, client):
         for d, i in zip(res.data, picks):
             assert len(d.embedding) == 384 and np.array(d.embedding) @ fx["embeddings"][i] >= 0.99999
         assert res.usage.prompt_tokens == int(sum(fx["lengths"][picks]))
+    # what OpenAI-compatible tools call first: the model list and a model's card
+    assert [m.id for m in oc.models.list().data] == ["minilm-l6", "vit-demo"]
+    card = oc.models.retrieve("minilm-l6")
+    assert card.owned_by == "jaxserve" and card.created > 1.7e9 and card.embedding_dim == 384
+    with pytest.raises(openai.NotFoundError, match="unknown model 'gpt-4'"):
+        oc.models.retrieve("gpt-4")
     assert oc.embeddings.create(model="minilm-l6", input="x", dimensions=384, user="u1").data[0].embedding
     with pytest.raises(openai.UnprocessableEntityError, match="exactly 384"):
         oc.embeddings.create(model="minilm-l6", input="x", dimensions=128)
@@ -249,7 +255,7 @@ def test_image_classification_png_and_arrays(client):
 
     from jaxserve.datasets import digits_examples
 
-    shape = tuple(client.get("/v1/models").json()["models"][1]["image_shape"])
+    shape = tuple(client.get("/v1/models").json()["data"][1]["image_shape"])
     images, labels = digits_examples(shape, count=4, seed=1)
     pngs = []
     for img in images:
