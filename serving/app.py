@@ -46,6 +46,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from jaxserve.engine import Answer, Draining, Engine, ExecutionFailed, Item, Overloaded, TooManyItems
 from serving.metrics import Metrics
@@ -75,6 +76,17 @@ class ServerState:
     started: float = field(default_factory=time.monotonic)
     created: float = field(default_factory=time.time)  # wall clock, for OpenAI's model "created"
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def _path_label(scope, routes=()) -> str:
+    """A request's ``path`` label in the metrics: its route's template
+    (``/v1/models/{model}``), never the raw path, so scanners and made-up ids cannot grow the
+    series without bound; ``<unmatched>`` when no route matched. Before the router has run
+    (the body limit), the route is looked up in ``routes``."""
+    route = scope.get("route")
+    if route is None:
+        route = next((r for r in routes if r.matches(scope)[0] != Match.NONE), None)
+    return getattr(route, "path", None) or "<unmatched>"
 
 
 async def _client_gone(receive) -> None:
@@ -155,8 +167,8 @@ class Guard:
       report can be found in the server log.
     """
 
-    def __init__(self, app, limit: int, metrics: Metrics):
-        self.app, self.limit, self.metrics = app, limit, metrics
+    def __init__(self, app, limit: int, metrics: Metrics, routes=()):
+        self.app, self.limit, self.metrics, self.routes = app, limit, metrics, routes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -168,7 +180,7 @@ class Guard:
         send = _with_header(send, (b"x-request-id", rid))
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._answer(send, self._too_large())
+            return await self._answer(send, self._too_large(scope))
         seen, started = 0, False
 
         async def counted():
@@ -188,16 +200,17 @@ class Guard:
         try:
             await self.app(scope, counted, tracked)
         except _TooLarge:
-            await self._answer(send, self._too_large())
+            await self._answer(send, self._too_large(scope))
         except Exception as exc:
             if started:  # half an answer is out: nothing sound is left to send
                 raise
             log.exception("unhandled error on %s (x-request-id %s)", scope.get("path"), rid.decode())
-            self.metrics.request_done(scope.get("path", ""), 500)
+            self.metrics.request_done(_path_label(scope), 500)
             await self._answer(send, _error(500, f"internal error ({type(exc).__name__}); the server log has "
                                                  "the traceback"))
 
-    def _too_large(self) -> JSONResponse:
+    def _too_large(self, scope) -> JSONResponse:
+        self.metrics.request_done(_path_label(scope, self.routes), 413)
         return _error(413, f"request body exceeds the limit of {self.limit} bytes", "body")
 
     @staticmethod
@@ -289,11 +302,11 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Fas
     metrics = Metrics(state)
     app.state.jaxserve = state
     app.state.metrics = metrics
-    app.add_middleware(Guard, limit=max_body_bytes, metrics=metrics)
+    app.add_middleware(Guard, limit=max_body_bytes, metrics=metrics, routes=app.routes)  # the live list
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        metrics.request_done(request.url.path, exc.status)
+        metrics.request_done(_path_label(request.scope), exc.status)
         return _error(exc.status, exc.message, exc.field, exc.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -301,18 +314,17 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Fas
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if media and not (media == "application/json" or media.endswith("+json")):
             # FastAPI hands a non-JSON body to the model as bytes; say what is wrong instead.
-            metrics.request_done(request.url.path, 415)
+            metrics.request_done(_path_label(request.scope), 415)
             return _error(415, f"content-type {media!r} is not supported; send application/json", "content-type")
         loc, msg = validation_message(exc.errors())
-        metrics.request_done(request.url.path, 422)
+        metrics.request_done(_path_label(request.scope), 422)
         return _error(422, f"{loc}: {msg}", loc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         """Routing errors (404, 405 with Allow) and FastAPI's 400 for a body it cannot parse
         (e.g. JSON nested deeper than Python's recursion limit), in the API's error format."""
-        # An unmatched path is not a label: scanners would grow the metrics without bound.
-        metrics.request_done("<unmatched>" if exc.status_code == 404 else request.url.path, exc.status_code)
+        metrics.request_done(_path_label(request.scope), exc.status_code)
         message = {404: f"no route {request.method} {request.url.path}",
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(
             exc.status_code, f"{exc.detail}")

@@ -198,8 +198,11 @@ def test_errors_name_the_field_in_one_format(client):
         assert err["status"] == status and needle in err["message"], r.text
         assert err.get("field") == field, r.text
     assert "POST" in cases[-2][0].headers["allow"]
+    for model in ("no-such-model-1", "no-such-model-2"):  # made-up ids share their route's label
+        assert client.get(f"/v1/models/{model}").status_code == 404
     metrics = client.get("/metrics").text
     assert 'path="<unmatched>",status="404"' in metrics and "/v2/nothing" not in metrics
+    assert 'path="/v1/models/{model}",status="404"' in metrics and "no-such-model" not in metrics
     assert client.post("/v1/embeddings", json={"input": ["still serving"]}).status_code == 200
 
 
@@ -238,12 +241,15 @@ def test_truncation_on_request(client):
     assert r.json()["usage"]["prompt_tokens"] == 64
 
 
-def test_malformed_json_and_oversized_body(client):
+def test_malformed_json_and_oversized_body(server, client):
     r = client.post("/v1/embeddings", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 422 and "JSON" in r.json()["error"]["message"]
+    label = 'jaxserve_requests_total{path="/v1/embeddings",status="413"}'
+    before = _series(server.url, label) or 0.0
     big = b'{"input": "' + b"a" * (9 * 1024 * 1024) + b'"}'
     r = client.post("/v1/embeddings", content=big, headers={"content-type": "application/json"})
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+    assert _series(server.url, label) == before + 1  # refused before routing, counted under its route
     assert client.get("/healthz").status_code == 200
 
 
