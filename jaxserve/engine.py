@@ -140,6 +140,11 @@ class Engine:
         return len(self._queued)
 
     @property
+    def draining(self) -> bool:
+        """True once :meth:`drain` has begun: nothing new is admitted."""
+        return self._draining
+
+    @property
     def in_flight(self) -> int:
         return len(self._queued) + sum(len(b) for b in self._running.values())
 

@@ -497,6 +497,8 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Fas
     async def readyz():
         if state.engine is None:
             return _error(503, "warming up" if state.warm_error is None else f"warmup failed: {state.warm_error}")
+        if state.engine.draining:  # a load balancer should stop sending: new work would be refused
+            return _error(503, "shutting down: finishing accepted work")
         return {"status": "ready"}
 
     @app.get("/metrics")

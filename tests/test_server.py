@@ -371,6 +371,25 @@ def test_a_client_that_leaves_gets_its_queued_items_withdrawn(tmp_path):
         assert _series(srv.url, "jaxserve_compilations_since_ready") == 0.0
 
 
+def test_readiness_turns_503_when_draining_begins(tmp_path):
+    """Once the engine drains (the SIGTERM path), /readyz says so, so a load balancer stops
+    routing here, and new work is refused with 503 rather than accepted and cut off."""
+    import asyncio
+
+    settings = ServeSettings(models=("minilm-l6",), cache_dir=str(tmp_path / "cache"), progress=False,
+                             text_grid=ShapeGrid(batch_sizes=(1,), seq_buckets=(16,)))
+    with LiveServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        assert c.get("/readyz").status_code == 200
+        assert c.post("/v1/embeddings", json={"input": "in time"}).status_code == 200
+        engine = srv.app.state.jaxserve.engine
+        asyncio.run_coroutine_threadsafe(engine.drain(), engine._loop).result(30)  # the server's own loop
+        r = c.get("/readyz")
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        r = c.post("/v1/embeddings", json={"input": "too late"})
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        assert c.get("/healthz").status_code == 200  # alive, just not taking work
+
+
 def test_tight_slo_is_answered_evicted_not_dropped(client):
     r = client.post("/v1/embeddings", json={"input": ["quick"] * 4, "slo_ms": 0.001})
     assert r.status_code == 200
