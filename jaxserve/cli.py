@@ -165,6 +165,8 @@ def cmd_serve(args) -> int:
     settings = ServeSettings(
         models=_models(args), cache_dir=args.cache_dir, policy=args.policy, instances=args.instances,
         max_queue=args.max_queue, max_wait_ms=args.max_wait_ms, cost_model=args.cost_model, precision=args.precision,
+        **{k: getattr(args, k) for k in ("max_body_bytes", "header_timeout_s", "body_timeout_s")
+           if getattr(args, k) is not None},  # unset: ServeSettings' defaults
         **_grids(args), extra=_otas_extra(args),
         slo_ms=args.slo_ms, arlo_period_s=args.arlo_period_s, arlo_max_batch=args.arlo_max_batch,
         dt_penalty=args.dt_penalty, arlo_autoscale_from=args.arlo_autoscale_from,
@@ -408,6 +410,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="log one line per request (off by default: /metrics counts requests, and the log "
                          "line costs the event loop under load)")
     sp.add_argument("--cost-model", type=_existing_file, default=None)
+    sp.add_argument("--max-body-bytes", type=POSITIVE_INT, default=None,
+                    help="larger request bodies are answered 413 (default 8 MiB)")
+    sp.add_argument("--header-timeout-s", type=POSITIVE, default=None,
+                    help="a connection's request headers must arrive within this (default 20; idle: closed, "
+                         "else 408)")
+    sp.add_argument("--body-timeout-s", type=POSITIVE, default=None,
+                    help="a request body must arrive within this after its headers (default 60; else 408)")
     grid(sp)
     sp.add_argument("--slo-ms", type=POSITIVE, default=None,
                     help="arlo/st/dt/infaas: the stream's SLO (default: the paper's 150 ms scaled by the profile)")

@@ -13,6 +13,8 @@ a body FastAPI cannot parse (nested         400
 deeper than Python's recursion limit)
 text longer than the longest bucket         413 (unless ``truncate: true``)
 body over ``max_body_bytes``                413
+body not complete ``body_timeout_s`` after  408 (connection closed; slow headers:
+its headers                                 serving.server.timed_protocol)
 unknown model or task                       404
 no such route / method                      404 / 405 (with Allow)
 more inputs than ``max_queue`` can hold     413
@@ -158,7 +160,13 @@ def validation_message(errors: list[dict]) -> tuple[str, str]:
 class Guard:
     """Pure-ASGI wrapper around the app.
 
-    - A body over ``limit`` bytes is answered 413 before it is parsed.
+    - A body over ``limit`` bytes is answered 413 before it is parsed, whether its
+      Content-Length says so or a chunked body grows past the limit as it arrives.
+    - A body that has not fully arrived ``body_timeout_s`` after the request began is answered
+      408 and its connection closed: a client that declares a body and trickles it (or sends
+      none) would otherwise hold its connection and coroutine for ever. The deadline covers
+      the whole body, not the gap between reads, so a byte every few seconds cannot extend it.
+      (Slow request headers are cut off earlier, by ``serving.server.timed_protocol``.)
     - An exception nobody anticipated (a bug) is logged and answered with the API's JSON 500
       here, instead of Starlette's default, which answers a text page and then re-raises, so
       uvicorn closes the connection and a keep-alive client's next request fails too.
@@ -167,8 +175,9 @@ class Guard:
       report can be found in the server log.
     """
 
-    def __init__(self, app, limit: int, metrics: Metrics, routes=()):
+    def __init__(self, app, limit: int, metrics: Metrics, routes=(), body_timeout_s: float = 60.0):
         self.app, self.limit, self.metrics, self.routes = app, limit, metrics, routes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -181,15 +190,28 @@ class Guard:
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._answer(send, self._too_large(scope))
-        seen, started = 0, False
+        seen, started, body_done = 0, False, False
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
 
         async def counted():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:  # later receives wait for the disconnect, for as long as the answer takes
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):  # a timer, not a task per receive (as wait_for)
+                    message = await receive()
+            except TimeoutError:
+                self.metrics.read_timeout("body")
+                raise _BodyRefused(408, f"request body not received within {self.body_timeout_s:g} s "
+                                        f"({seen} of {declared.decode() if declared else 'an unknown number of'} "
+                                        "bytes arrived)", {"connection": "close"}) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    raise _TooLarge()
+                    raise _BodyRefused(413, self._limit_message())
+                body_done = not message.get("more_body", False)
+            else:
+                body_done = True
             return message
 
         async def tracked(message):
@@ -199,8 +221,11 @@ class Guard:
 
         try:
             await self.app(scope, counted, tracked)
-        except _TooLarge:
-            await self._answer(send, self._too_large(scope))
+        except _BodyRefused as exc:  # raised outside a route's body parsing (the route handler maps it otherwise)
+            if started:
+                raise
+            self.metrics.request_done(_path_label(scope, self.routes), exc.status_code)
+            await self._answer(send, exc.response())
         except Exception as exc:
             if started:  # half an answer is out: nothing sound is left to send
                 raise
@@ -209,15 +234,16 @@ class Guard:
             await self._answer(send, _error(500, f"internal error ({type(exc).__name__}); the server log has "
                                                  "the traceback"))
 
+    def _limit_message(self) -> str:
+        return f"request body exceeds the limit of {self.limit} bytes"
+
     def _too_large(self, scope) -> JSONResponse:
         self.metrics.request_done(_path_label(scope, self.routes), 413)
-        return _error(413, f"request body exceeds the limit of {self.limit} bytes", "body")
+        return _error(413, self._limit_message(), "body")
 
     @staticmethod
     async def _answer(send, resp: JSONResponse):
-        await send({"type": "http.response.start", "status": resp.status_code,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(resp.body)).encode())]})
+        await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
         await send({"type": "http.response.body", "body": resp.body})
 
 
@@ -230,8 +256,18 @@ def _with_header(send, header: tuple[bytes, bytes]):
     return wrapped
 
 
-class _TooLarge(Exception):
-    pass
+class _BodyRefused(StarletteHTTPException):
+    """The request body broke a limit while it was being read (413 too large, 408 too slow).
+
+    A Starlette HTTPException, because FastAPI turns any other exception raised while it reads
+    a body into a 400 "error parsing the body": a chunked body over the limit was answered
+    that way, not 413."""
+
+    def __init__(self, status: int, message: str, headers: dict | None = None):
+        super().__init__(status, message, headers)
+
+    def response(self) -> JSONResponse:
+        return _error(self.status_code, self.detail, "body", self.headers)
 
 
 class FastJSON(JSONResponse):
@@ -296,13 +332,14 @@ def decode_image(raw: Any, shape: tuple[int, int, int], index: int) -> np.ndarra
     return arr
 
 
-def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> FastAPI:
+def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_timeout_s: float = 60.0) -> FastAPI:
     app = FastAPI(title="jaxserve", version="0.1.0",
                   description="Transformer encoders served from ahead-of-time compiled polymorphs.")
     metrics = Metrics(state)
     app.state.jaxserve = state
     app.state.metrics = metrics
-    app.add_middleware(Guard, limit=max_body_bytes, metrics=metrics, routes=app.routes)  # the live list
+    app.add_middleware(Guard, limit=max_body_bytes, metrics=metrics, routes=app.routes,  # the live list
+                       body_timeout_s=body_timeout_s)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -325,6 +362,8 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Fas
         """Routing errors (404, 405 with Allow) and FastAPI's 400 for a body it cannot parse
         (e.g. JSON nested deeper than Python's recursion limit), in the API's error format."""
         metrics.request_done(_path_label(request.scope), exc.status_code)
+        if isinstance(exc, _BodyRefused):
+            return exc.response()
         message = {404: f"no route {request.method} {request.url.path}",
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(
             exc.status_code, f"{exc.detail}")

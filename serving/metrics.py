@@ -82,12 +82,19 @@ class Metrics:
                                       ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.slo = Counter("jaxserve_slo_items", "items that carried an SLO, by outcome", ["outcome"], registry=r)
         self.slo_attainment = Gauge("jaxserve_slo_attainment", "share of SLO items answered ok", registry=r)
+        self.read_timeouts = Counter(
+            "jaxserve_read_timeouts", "connections cut off for a slow client, by phase: idle (connected, sent "
+            "nothing), headers (request headers incomplete), body (body incomplete; also a 408 request)",
+            ["phase"], registry=r)
         r.register(_EngineCollector(state))
         self._slo_ok = 0
         self._slo_all = 0
 
     def request_done(self, path: str, status: int) -> None:
         self.requests.labels(path, str(status)).inc()
+
+    def read_timeout(self, phase: str) -> None:
+        self.read_timeouts.labels(phase).inc()
 
     def observe_batch(self, batch, output, pendings, seconds: float) -> None:
         model = batch.model

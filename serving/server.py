@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ class ServeSettings:
     max_queue: int = 256
     max_wait_ms: float = 0.0  # dispatch when an instance is idle; batches form while all are busy
     max_body_bytes: int = 8 * 1024 * 1024
+    header_timeout_s: float = 20.0  # connect to end of request headers (and between keep-alive requests' headers)
+    body_timeout_s: float = 60.0  # end of headers to end of body
     cost_model: str | None = None
     precision: str = "f32"  # dense-kernel dtype of every model: "f32" or "bf16" (jaxserve.models.precision)
     progress: bool = True
@@ -270,9 +273,92 @@ def build_app(settings: ServeSettings, on_warmup_error: Callable[[], None] | Non
             log.info("drained (%s)", "clean" if drained else "timed out")
             state.engine.close()
 
-    app = create_app(state, settings.max_body_bytes)
+    app = create_app(state, settings.max_body_bytes, settings.body_timeout_s)
     app.router.lifespan_context = lifespan
+    app.state.settings = settings
     return app
+
+
+def timed_protocol(header_timeout_s: float, on_timeout: Callable[[str], None] | None = None) -> type:
+    """uvicorn's httptools protocol with a deadline on request headers.
+
+    uvicorn times out only an idle keep-alive connection *after* a response: a connection
+    that sends nothing, or sends its headers a byte at a time, is held for ever (checked on
+    uvicorn 0.54: still open after minutes), so a few thousand such clients use up the
+    process's file descriptors and coroutines and nobody else gets in ("slowloris"). This
+    protocol gives every request ``header_timeout_s`` from the moment the connection opens
+    (or, on a keep-alive connection, from the request's first byte) to finish its headers.
+    A connection that sent nothing is closed silently (like uvicorn's own keep-alive
+    timeout); one with partial headers gets a JSON 408 and is closed. The body has its own
+    deadline in the ASGI layer (``serving.app.Guard``), where the answer can name the route.
+    ``on_timeout(phase)`` counts them ("idle" or "headers") for the metrics. If a pipelined
+    response is still being written when the deadline passes, the 408 waits for it (one
+    answer at a time on a connection)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class TimedHttpProtocol(HttpToolsProtocol):
+        _header_timer: asyncio.TimerHandle | None = None
+        _got_bytes = False
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            self._got_bytes = self._got_bytes or bool(data)
+            super().data_received(data)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._header_timer is None:  # a keep-alive connection's next request: a fresh deadline
+                self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self.transport.is_closing():
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._header_timer = self.loop.call_later(0.05, self._headers_late)
+                return
+            phase = "headers" if self._got_bytes else "idle"
+            if on_timeout is not None:
+                on_timeout(phase)
+            if phase == "headers":
+                body = json.dumps({"error": {"status": 408, "message": f"request headers not received within "
+                                             f"{header_timeout_s:g} s", "field": "headers"}}).encode()
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                     b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+            self.transport.close()
+
+    return TimedHttpProtocol
+
+
+def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, access_log: bool = False,
+                   log_level: str = "info"):
+    """The uvicorn configuration every server runs under (``serve`` and the tests' live server)."""
+    import uvicorn
+
+    settings: ServeSettings = app.state.settings
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                          timeout_graceful_shutdown=30,
+                          http=timed_protocol(settings.header_timeout_s, app.state.metrics.read_timeout))
 
 
 def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, access_log: bool = False) -> None:
@@ -287,8 +373,7 @@ def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, ac
         server.should_exit = True
 
     app = build_app(settings, on_warmup_error=stop)
-    config = uvicorn.Config(app, host=host, port=port, log_level="info",
-                            access_log=access_log, timeout_graceful_shutdown=30)
+    config = uvicorn_config(app, host, port, access_log)
     # Bind before warmup starts: a port in use now exits at once (uvicorn's exit 3), where
     # uvicorn.run bound after startup and the exit then waited for the whole grid to compile.
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures as cf
+import json
 import socket
 import threading
 import time
@@ -15,7 +16,7 @@ import uvicorn
 
 from conftest import FIXTURES
 from jaxserve.sched.base import ShapeGrid
-from serving.server import ServeSettings, build_app
+from serving.server import ServeSettings, build_app, uvicorn_config
 
 TEXT_GRID = ShapeGrid(batch_sizes=(1, 4), seq_buckets=(16, 64))
 IMAGE_GRID = ShapeGrid(batch_sizes=(1, 4))
@@ -31,7 +32,7 @@ class LiveServer:
     def __init__(self, settings: ServeSettings):
         self.port = free_port()
         self.app = build_app(settings)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(self.app, port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -57,7 +58,7 @@ class LiveServer:
 def server(tmp_path_factory):
     settings = ServeSettings(
         models=("minilm-l6", "vit-demo"), cache_dir=str(tmp_path_factory.mktemp("cache")), max_queue=64,
-        progress=False, text_grid=TEXT_GRID, image_grid=IMAGE_GRID,
+        progress=False, text_grid=TEXT_GRID, image_grid=IMAGE_GRID, header_timeout_s=3.0, body_timeout_s=3.0,
     )
     with LiveServer(settings) as s:
         yield s
@@ -250,6 +251,17 @@ def test_malformed_json_and_oversized_body(server, client):
     r = client.post("/v1/embeddings", content=big, headers={"content-type": "application/json"})
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
     assert _series(server.url, label) == before + 1  # refused before routing, counted under its route
+
+    def chunks():  # no content-length: the body grows past the limit as it arrives
+        yield b'{"input": "'
+        for _ in range(9):
+            yield b"a" * (1024 * 1024)
+        yield b'"}'
+
+    r = client.post("/v1/embeddings", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "limit of 8388608 bytes" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["field"] == "body"
+    assert _series(server.url, label) == before + 2
     assert client.get("/healthz").status_code == 200
 
 
@@ -369,6 +381,69 @@ def test_a_client_that_leaves_gets_its_queued_items_withdrawn(tmp_path):
             assert r.status_code == 200 and len(r.json()["data"]) == 4
         assert _series(srv.url, 'jaxserve_items{outcome="ok"}') == 4.0
         assert _series(srv.url, "jaxserve_compilations_since_ready") == 0.0
+
+
+def _read_to_eof(sock: socket.socket) -> bytes:
+    sock.settimeout(30)
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
+
+
+def test_slow_clients_are_cut_off_and_counted(server, client):
+    """Slowloris: uvicorn alone holds a connection that sends nothing, or trickles its headers
+    or body, for ever. Each gets a deadline (3 s on this server): an idle connection is
+    closed, partial headers get a 408 naming the headers, and a body that has not arrived
+    gets a 408 naming the body and saying how much came, even while it keeps trickling
+    (the deadline is for the whole body). Each connection is closed after; the server
+    keeps answering, counts each phase once, and compiles nothing."""
+    phases = {p: _series(server.url, f'jaxserve_read_timeouts_total{{phase="{p}"}}') or 0.0
+              for p in ("idle", "headers", "body")}
+    label = 'jaxserve_requests_total{path="/v1/embeddings",status="408"}'
+    before_408 = _series(server.url, label) or 0.0
+    compiles = _series(server.url, "jaxserve_compilations")  # process-wide: other tests' servers warm here too
+    idle = socket.create_connection(("127.0.0.1", server.port))
+    headers = socket.create_connection(("127.0.0.1", server.port))
+    # a keep-alive client: its first request is answered, its second stalls in the headers
+    headers.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    headers.settimeout(30)
+    first = headers.recv(65536)
+    assert first.startswith(b"HTTP/1.1 200"), first
+    headers.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\ncontent-ty")
+    body = socket.create_connection(("127.0.0.1", server.port))
+    body.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: 100\r\n\r\n{\"input\": ")
+    stop = threading.Event()
+
+    def trickle():  # one byte every 0.3 s: never idle, never done
+        while not stop.wait(0.3):
+            try:
+                body.sendall(b" ")
+            except OSError:
+                return
+
+    threading.Thread(target=trickle, daemon=True).start()
+    try:
+        assert client.post("/v1/embeddings", json={"input": "meanwhile"}).status_code == 200
+        assert _read_to_eof(idle) == b""  # closed without a word: it never asked anything
+        late_headers = _read_to_eof(headers)
+        late_body = _read_to_eof(body)
+    finally:
+        stop.set()
+    assert late_headers.startswith(b"HTTP/1.1 408"), late_headers
+    error = json.loads(late_headers.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["field"] == "headers" and "within 3 s" in error["message"]
+    assert late_body.startswith(b"HTTP/1.1 408"), late_body
+    error = json.loads(late_body.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["field"] == "body" and "within 3 s" in error["message"]
+    came = int(error["message"].split("(")[1].split()[0])
+    assert 10 <= came < 100 and "of 100 bytes" in error["message"]
+    for p in phases:
+        assert _series(server.url, f'jaxserve_read_timeouts_total{{phase="{p}"}}') == phases[p] + 1, p
+    assert _series(server.url, label) == before_408 + 1
+    assert client.post("/v1/embeddings", json={"input": "after"}).status_code == 200
+    assert _series(server.url, "jaxserve_compilations") == compiles
 
 
 def test_readiness_turns_503_when_draining_begins(tmp_path):
