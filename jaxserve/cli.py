@@ -105,6 +105,13 @@ def _existing_file(text: str) -> str:
     return text
 
 
+def _api_key(text: str) -> str:
+    """A bearer token clients can send in a header: 8+ visible ASCII characters, no spaces."""
+    if len(text) < 8 or not all(33 <= ord(c) <= 126 for c in text):
+        raise argparse.ArgumentTypeError("expected at least 8 visible ASCII characters (no spaces)")
+    return text
+
+
 def _cache_dir(text: str) -> str:
     """A directory this user can create (owner-only, as CompileCache makes it) and write."""
     path = Path(text)
@@ -165,6 +172,7 @@ def cmd_serve(args) -> int:
     settings = ServeSettings(
         models=_models(args), cache_dir=args.cache_dir, policy=args.policy, instances=args.instances,
         max_queue=args.max_queue, max_wait_ms=args.max_wait_ms, cost_model=args.cost_model, precision=args.precision,
+        api_key=args.api_key,
         **{k: getattr(args, k) for k in ("max_body_bytes", "header_timeout_s", "body_timeout_s")
            if getattr(args, k) is not None},  # unset: ServeSettings' defaults
         **_grids(args), extra=_otas_extra(args),
@@ -410,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="log one line per request (off by default: /metrics counts requests, and the log "
                          "line costs the event loop under load)")
     sp.add_argument("--cost-model", type=_existing_file, default=None)
+    sp.add_argument("--api-key", type=_api_key, default=os.environ.get("JAXSERVE_API_KEY") or None,
+                    help="require 'Authorization: Bearer KEY' on every route but the probes, /metrics and the "
+                         "docs (default: $JAXSERVE_API_KEY; unset: open). The variable keeps the key out of ps")
     sp.add_argument("--max-body-bytes", type=POSITIVE_INT, default=None,
                     help="larger request bodies are answered 413 (default 8 MiB)")
     sp.add_argument("--header-timeout-s", type=POSITIVE, default=None,

@@ -15,6 +15,7 @@ text longer than the longest bucket         413 (unless ``truncate: true``)
 body over ``max_body_bytes``                413
 body not complete ``body_timeout_s`` after  408 (connection closed; slow headers:
 its headers                                 serving.server.timed_protocol)
+no or wrong API key (with ``api_key``)      401 + WWW-Authenticate
 unknown model or task                       404
 no such route / method                      404 / 405 (with Allow)
 more inputs than ``max_queue`` can hold     413
@@ -34,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hmac
 import io
 import logging
 import math
@@ -170,14 +172,25 @@ class Guard:
     - An exception nobody anticipated (a bug) is logged and answered with the API's JSON 500
       here, instead of Starlette's default, which answers a text page and then re-raises, so
       uvicorn closes the connection and a keep-alive client's next request fails too.
+    - With an ``api_key``, every path but ``OPEN_PATHS`` needs ``Authorization: Bearer <key>``
+      (what OpenAI's clients send), checked in constant time before the body is read; else 401.
+      Deny by default, so a route added later is covered without anyone remembering to.
     - Every answer carries ``x-request-id``: the client's own (up to 128 visible ASCII
       characters) or a fresh one, also in the log line of an internal error, so a client's
       report can be found in the server log.
     """
 
-    def __init__(self, app, limit: int, metrics: Metrics, routes=(), body_timeout_s: float = 60.0):
+    #: answered without an API key: probes, the scraper, the API docs (everything else needs it)
+    OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc",
+                            "/openapi.json"})
+
+    def __init__(self, app, limit: int, metrics: Metrics, routes=(), body_timeout_s: float = 60.0,
+                 api_key: str | None = None):
         self.app, self.limit, self.metrics, self.routes = app, limit, metrics, routes
         self.body_timeout_s = body_timeout_s
+        if api_key is not None and not api_key.strip():
+            raise ValueError("api_key is empty: an empty bearer token would let anyone in")
+        self.api_key = None if api_key is None else api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -187,6 +200,11 @@ class Guard:
         if not (0 < len(rid) <= 128 and all(33 <= c <= 126 for c in rid)):
             rid = uuid.uuid4().hex.encode()
         send = _with_header(send, (b"x-request-id", rid))
+        if self.api_key is not None and scope["path"] not in self.OPEN_PATHS and not self._authorized(headers):
+            self.metrics.request_done(_path_label(scope, self.routes), 401)
+            return await self._answer(send, _error(
+                401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'", "authorization",
+                {"www-authenticate": "Bearer"}))
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._answer(send, self._too_large(scope))
@@ -233,6 +251,10 @@ class Guard:
             self.metrics.request_done(_path_label(scope), 500)
             await self._answer(send, _error(500, f"internal error ({type(exc).__name__}); the server log has "
                                                  "the traceback"))
+
+    def _authorized(self, headers: dict) -> bool:
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
 
     def _limit_message(self) -> str:
         return f"request body exceeds the limit of {self.limit} bytes"
@@ -332,14 +354,15 @@ def decode_image(raw: Any, shape: tuple[int, int, int], index: int) -> np.ndarra
     return arr
 
 
-def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_timeout_s: float = 60.0) -> FastAPI:
+def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_timeout_s: float = 60.0,
+               api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="jaxserve", version="0.1.0",
                   description="Transformer encoders served from ahead-of-time compiled polymorphs.")
     metrics = Metrics(state)
     app.state.jaxserve = state
     app.state.metrics = metrics
     app.add_middleware(Guard, limit=max_body_bytes, metrics=metrics, routes=app.routes,  # the live list
-                       body_timeout_s=body_timeout_s)
+                       body_timeout_s=body_timeout_s, api_key=api_key)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):

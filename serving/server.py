@@ -41,6 +41,7 @@ class ServeSettings:
     max_body_bytes: int = 8 * 1024 * 1024
     header_timeout_s: float = 20.0  # connect to end of request headers (and between keep-alive requests' headers)
     body_timeout_s: float = 60.0  # end of headers to end of body
+    api_key: str | None = field(default=None, repr=False)  # None: open; else Bearer auth (serving.app.Guard)
     cost_model: str | None = None
     precision: str = "f32"  # dense-kernel dtype of every model: "f32" or "bf16" (jaxserve.models.precision)
     progress: bool = True
@@ -273,7 +274,7 @@ def build_app(settings: ServeSettings, on_warmup_error: Callable[[], None] | Non
             log.info("drained (%s)", "clean" if drained else "timed out")
             state.engine.close()
 
-    app = create_app(state, settings.max_body_bytes, settings.body_timeout_s)
+    app = create_app(state, settings.max_body_bytes, settings.body_timeout_s, settings.api_key)
     app.router.lifespan_context = lifespan
     app.state.settings = settings
     return app

@@ -446,6 +446,41 @@ def test_slow_clients_are_cut_off_and_counted(server, client):
     assert _series(server.url, "jaxserve_compilations") == compiles
 
 
+def test_an_api_key_guards_every_route_but_probes_metrics_and_docs(tmp_path):
+    """With an API key, the API needs 'Authorization: Bearer <key>' (what OpenAI's client
+    sends): none, a wrong one or another scheme is a 401 with WWW-Authenticate, refused
+    before the body is read (an oversized body still gets 401, not 413) and counted; probes,
+    /metrics and the docs stay open; a route the router does not know is refused too."""
+    import openai
+
+    key = "s3cret-key-for-tests"
+    settings = ServeSettings(models=("minilm-l6",), cache_dir=str(tmp_path / "cache"), progress=False,
+                             max_body_bytes=4096, api_key=key,
+                             text_grid=ShapeGrid(batch_sizes=(1,), seq_buckets=(16,)))
+    assert key not in repr(settings)  # settings may be logged; the key must not be
+    with LiveServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        for headers in ({}, {"authorization": "Bearer wrong-key-of-same-len"}, {"authorization": key},
+                        {"authorization": f"Basic {key}"}):
+            r = c.post("/v1/embeddings", json={"input": "x"}, headers=headers)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (headers, r.text)
+            assert r.json()["error"]["field"] == "authorization"
+        r = c.post("/v1/embeddings", content=b"x" * 10_000, headers={"content-type": "application/json"})
+        assert r.status_code == 401
+        assert c.get("/v1/models").status_code == 401 and c.get("/no/such/route").status_code == 401
+        for open_path in ("/healthz", "/readyz", "/metrics", "/openapi.json", "/docs"):
+            assert c.get(open_path).status_code == 200, open_path
+        good = {"authorization": f"Bearer {key}"}
+        r = c.post("/v1/embeddings", json={"input": "let me in"}, headers=good)
+        assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
+        assert c.get("/no/such/route", headers=good).status_code == 404
+        oc = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
+        assert len(oc.embeddings.create(model="minilm-l6", input="hi", encoding_format="float").data[0].embedding) == 384
+        with pytest.raises(openai.AuthenticationError, match="API key"):
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="not-the-key", max_retries=0).models.list()
+        assert _series(srv.url, 'jaxserve_requests_total{path="/v1/embeddings",status="401"}') == 5.0
+        assert _series(srv.url, 'jaxserve_requests_total{path="/v1/models",status="401"}') == 2.0
+
+
 def test_readiness_turns_503_when_draining_begins(tmp_path):
     """Once the engine drains (the SIGTERM path), /readyz says so, so a load balancer stops
     routing here, and new work is refused with 503 rather than accepted and cut off."""
