@@ -33,7 +33,8 @@ def test_warmup_writes_manifest_then_loads_serialized(tmp_path):
 def test_warmup_takes_the_server_s_grid_flags_so_serve_loads_every_cell(tmp_path):
     """A deploy job runs warmup with the flags its server will run with: the server then
     loads every cell of that grid from the serialized fast path and compiles nothing. The
-    server's own limits (body size, slow-client deadlines) reach it from its flags."""
+    server's own limits (body size, slow-client deadlines) reach it from its flags, its API key
+    from the environment."""
     import os
     import socket
     import time
@@ -51,7 +52,7 @@ def test_warmup_takes_the_server_s_grid_flags_so_serve_loads_every_cell(tmp_path
     limits = ["--max-body-bytes", "2048", "--header-timeout-s", "1", "--body-timeout-s", "1.5"]
     proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", *flags, *limits, "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                            env=dict(os.environ, JAX_PLATFORMS="cpu", JAXSERVE_API_KEY="key-from-the-env"))
     try:
         deadline, ready = time.monotonic() + 300, False
         while not ready and time.monotonic() < deadline:
@@ -64,10 +65,14 @@ def test_warmup_takes_the_server_s_grid_flags_so_serve_loads_every_cell(tmp_path
         rows = [e for e in json.loads((cache / "manifest.json").read_text())["entries"] if e["model"] == "minilm-l6"]
         assert sorted(e["cell"] for e in rows) == ["b1_s16_g0", "b1_s32_g0", "b2_s16_g0", "b2_s32_g0"]
         assert {e["source"] for e in rows} == {"serialized"}  # the server's own load, not a compile
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"input": "x" * 3000})
+        url, auth = f"http://127.0.0.1:{port}/v1/embeddings", {"authorization": "Bearer key-from-the-env"}
+        assert httpx.post(url, json={"input": "x"}).status_code == 401  # the key came from JAXSERVE_API_KEY
+        assert httpx.post(url, json={"input": "x"}, headers=auth).status_code == 200
+        r = httpx.post(url, json={"input": "x" * 3000}, headers=auth)
         assert r.status_code == 413 and "limit of 2048 bytes" in r.json()["error"]["message"]
         with socket.create_connection(("127.0.0.1", port)) as slow:
-            slow.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\ncontent-length: 20\r\n\r\n{")
+            slow.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nauthorization: Bearer key-from-the-env\r\n"
+                         b"content-length: 20\r\n\r\n{")
             slow.settimeout(30)
             assert b"within 1.5 s" in slow.recv(65536)
         with socket.create_connection(("127.0.0.1", port)) as idle:
