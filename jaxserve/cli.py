@@ -430,7 +430,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="a request body must arrive within this after its headers (default 60; else 408)")
     grid(sp)
     sp.add_argument("--slo-ms", type=POSITIVE, default=None,
-                    help="arlo/st/dt/infaas: the stream's SLO (default: the paper's 150 ms scaled by the profile)")
+                    help="the deadline of every request that sends no slo_ms of its own (default: none); "
+                         "arlo/st/dt/infaas also plan for it as the stream's SLO (default there: the paper's "
+                         "150 ms scaled by the profile)")
     sp.add_argument("--arlo-period-s", type=POSITIVE, default=120.0, help="arlo: Runtime Scheduler period")
     sp.add_argument("--arlo-max-batch", type=POSITIVE_INT, default=1, help="arlo/st/dt/infaas: requests per batch")
     sp.add_argument("--dt-penalty", type=POSITIVE, default=None, help="dt: dynamic-shape slowdown (default 1.22)")

@@ -113,9 +113,18 @@ class Engine:
         instances: int = 1,
         max_queue: int = 256,
         clock: Callable[[], float] = time.monotonic,
+        default_slo_ms: float | None = None,
     ):
+        """``default_slo_ms``: the deadline of every item that carries no ``slo_ms`` of its
+        own (Triton's default queue timeout; TF Serving's per-request deadline with a server
+        default). Clients that cannot send one (OpenAI's embeddings client has no such
+        field) then get one too, so the policy evicts what can no longer finish in time
+        instead of computing it for a client that has given up. None: no deadline."""
         if instances < 1:
             raise ValueError("instances must be >= 1")
+        if default_slo_ms is not None and not (default_slo_ms > 0 and math.isfinite(default_slo_ms)):
+            raise ValueError(f"default_slo_ms must be a positive number of milliseconds, got {default_slo_ms!r}")
+        self.default_slo_ms = default_slo_ms
         self.runtimes = runtimes
         self.policy = policy
         self.instances = instances
@@ -166,7 +175,8 @@ class Engine:
         futures = []
         for item in items:
             rid = next(self._ids)
-            deadline = now + item.slo_ms / 1000.0 if item.slo_ms is not None else math.inf
+            slo_ms = item.slo_ms if item.slo_ms is not None else self.default_slo_ms
+            deadline = now + slo_ms / 1000.0 if slo_ms is not None else math.inf
             request = Request(rid, now, item.model, item.task, item.length, deadline, item.utility)
             fut = self._loop.create_future()
             self._queued[rid] = _Pending(item, request, fut)

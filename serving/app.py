@@ -458,7 +458,7 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
         for item, r in zip(items, results):
             if isinstance(r, Answer):
                 metrics.observe_answer(item.model, r.outcome, r.latency_ms / 1e3,
-                                       item.slo_ms is not None)
+                                       item.slo_ms is not None or eng.default_slo_ms is not None)
         for r in results:
             if isinstance(r, ExecutionFailed):
                 raise ApiError(500, f"execution failed: {r}")

@@ -49,7 +49,9 @@ class ServeSettings:
     image_grid: object = None
     extra: dict = field(default_factory=dict)
     # Arlo and its baselines (--policy arlo|st|dt|infaas; jaxserve/sched/arlo.py, baselines.py)
-    slo_ms: float | None = None  # the stream's SLO; None: the paper's SLO scaled by the profile
+    # the deadline of every request that sends no slo_ms (Engine.default_slo_ms); for arlo/st/dt/infaas
+    # also the stream's SLO they plan for (None there: the paper's SLO scaled by the profile)
+    slo_ms: float | None = None
     arlo_period_s: float = 120.0  # Runtime Scheduler period (paper: 120 s)
     arlo_max_batch: int = 1  # requests per batch (paper: 1)
     dt_penalty: float | None = None  # DT's dynamic-shape slowdown; None: baselines.DEFAULT_DT_PENALTY
@@ -216,7 +218,8 @@ def build_engine(settings: ServeSettings) -> Engine:
         default_cost_model_path(settings.cache_dir, settings.precision) if settings.cache_dir else None)
     cost = price_cells(runtimes, cost_path, settings.progress)
     policy = make_policy(settings, runtimes, cost)
-    return Engine(runtimes, policy, instances=settings.instances, max_queue=settings.max_queue)
+    return Engine(runtimes, policy, instances=settings.instances, max_queue=settings.max_queue,
+                  default_slo_ms=settings.slo_ms)
 
 
 GC_THRESHOLDS = (50_000, 20, 100)

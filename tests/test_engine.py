@@ -25,11 +25,11 @@ def table():
     return t
 
 
-def make_engine(table, weights, instances=1, max_queue=64):
+def make_engine(table, weights, instances=1, max_queue=64, **kw):
     rt = ModelRuntime("tiny", table, weights)
     cost = CostModel({"tiny": LatencyProfile("tiny", {c: 0.002 * c.batch for c in GRID.cells()})})
     policy = DeadlineBatching({"tiny": GRID}, cost, max_queue=max_queue)
-    return Engine({"tiny": rt}, policy, instances=instances, max_queue=max_queue)
+    return Engine({"tiny": rt}, policy, instances=instances, max_queue=max_queue, **kw)
 
 
 def items(n, slo_ms=None):
@@ -108,6 +108,28 @@ def test_each_item_answered_exactly_once_with_mixed_deadlines(table):
         engine.close()
 
     asyncio.run(scenario())
+
+
+def test_a_server_default_deadline_covers_items_that_carry_none(table):
+    """With default_slo_ms, an item without its own slo_ms gets that deadline (and is
+    evicted when it cannot make it); an item's own slo_ms still wins. Without the
+    default, the same items have no deadline and all run."""
+    async def scenario(default):
+        engine = make_engine(table, weights_of(init_bert(CFG)), default_slo_ms=default)
+        first = engine.submit(items(4))  # a full batch: the only instance is busy with it
+        mine = engine.submit(items(2, slo_ms=60_000))
+        bare = engine.submit(items(2))  # stamped after the first batch started
+        got = await asyncio.gather(*first, *mine, *bare)
+        engine.close()
+        return [a.outcome for a in got[4:6]], [a.outcome for a in got[6:]]
+
+    own, bare = asyncio.run(scenario(0.0001))
+    assert own == ["ok", "ok"] and bare == ["evicted", "evicted"]
+    own, bare = asyncio.run(scenario(None))
+    assert own == ["ok", "ok"] and bare == ["ok", "ok"]
+    for bad in (0, -5, math.nan, math.inf):
+        with pytest.raises(ValueError, match="default_slo_ms"):
+            make_engine(table, weights_of(init_bert(CFG)), default_slo_ms=bad)
 
 
 def test_withdrawn_items_never_run_and_the_rest_are_answered(table):
