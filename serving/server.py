@@ -365,6 +365,17 @@ def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, acce
                           http=timed_protocol(settings.header_timeout_s, app.state.metrics.read_timeout))
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
 def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, access_log: bool = False) -> None:
     """Run the server. ``access_log`` is off by default: a log line per request took ~5% of
     the event loop's time at load (py-spy), and ``/metrics`` counts requests by status."""
@@ -376,6 +387,9 @@ def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, ac
     def stop() -> None:
         server.should_exit = True
 
+    if settings.api_key is None and not _loopback(host):
+        log.warning("listening on %s without an API key: anyone who can reach this port can use its cores "
+                    "(set JAXSERVE_API_KEY or --api-key)", host)
     app = build_app(settings, on_warmup_error=stop)
     config = uvicorn_config(app, host, port, access_log)
     # Bind before warmup starts: a port in use now exits at once (uvicorn's exit 3), where

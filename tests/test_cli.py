@@ -9,9 +9,11 @@ import pytest
 from jaxserve.sched.base import Cell, CostModel, LatencyProfile
 
 
-def run(*args, timeout=600):
+def run(*args, timeout=600, env=None):
+    import os
+
     return subprocess.run([sys.executable, "-m", "jaxserve.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=None if env is None else {**os.environ, **env})
 
 
 def test_warmup_writes_manifest_then_loads_serialized(tmp_path):
@@ -168,6 +170,23 @@ def test_serve_on_a_port_in_use_exits_before_warmup(tmp_path):
     assert "address already in use" in out.stderr.lower() and f"cannot listen on 127.0.0.1:{port}" in out.stderr
     assert not (tmp_path / "c" / "manifest.json").exists()
     assert not list((tmp_path / "c" / "executables").glob("*.bin"))
+    assert "without an API key" not in out.stderr  # loopback: no warning
+
+
+def test_serving_beyond_loopback_without_a_key_warns(tmp_path):
+    """Bound to every interface with no API key, the server says so (here on a busy port, so
+    it stops right after); with a key it does not."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for env, warned in (({}, True), ({"JAXSERVE_API_KEY": "a-long-enough-key"}, False)):
+            out = run("serve", "--model", "vit-demo", "--host", "0.0.0.0", "--port", str(port),
+                      "--cache-dir", str(tmp_path / "c"), timeout=120, env=env)
+            assert out.returncode == 3, out.stderr[-2000:]
+            assert ("listening on 0.0.0.0 without an API key" in out.stderr) == warned, out.stderr[-2000:]
 
 
 def test_serve_exits_nonzero_when_warmup_fails(tmp_path):
