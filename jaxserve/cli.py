@@ -169,10 +169,12 @@ def _grids(args) -> dict:
 def cmd_serve(args) -> int:
     from serving.server import ServeSettings, serve
 
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        raise CliError("--ssl-certfile and --ssl-keyfile go together: HTTPS needs both")
     settings = ServeSettings(
         models=_models(args), cache_dir=args.cache_dir, policy=args.policy, instances=args.instances,
         max_queue=args.max_queue, max_wait_ms=args.max_wait_ms, cost_model=args.cost_model, precision=args.precision,
-        api_key=args.api_key,
+        api_key=args.api_key, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         **{k: getattr(args, k) for k in ("max_body_bytes", "header_timeout_s", "body_timeout_s")
            if getattr(args, k) is not None},  # unset: ServeSettings' defaults
         **_grids(args), extra=_otas_extra(args),
@@ -421,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--api-key", type=_api_key, default=os.environ.get("JAXSERVE_API_KEY") or None,
                     help="require 'Authorization: Bearer KEY' on every route but the probes, /metrics and the "
                          "docs (default: $JAXSERVE_API_KEY; unset: open). The variable keeps the key out of ps")
+    sp.add_argument("--ssl-certfile", type=_existing_file, default=None, help="serve HTTPS (with --ssl-keyfile)")
+    sp.add_argument("--ssl-keyfile", type=_existing_file, default=None)
     sp.add_argument("--max-body-bytes", type=POSITIVE_INT, default=None,
                     help="larger request bodies are answered 413 (default 8 MiB)")
     sp.add_argument("--header-timeout-s", type=POSITIVE, default=None,

@@ -42,6 +42,8 @@ class ServeSettings:
     header_timeout_s: float = 20.0  # connect to end of request headers (and between keep-alive requests' headers)
     body_timeout_s: float = 60.0  # end of headers to end of body
     api_key: str | None = field(default=None, repr=False)  # None: open; else Bearer auth (serving.app.Guard)
+    ssl_certfile: str | None = None  # with ssl_keyfile: serve HTTPS
+    ssl_keyfile: str | None = None
     cost_model: str | None = None
     precision: str = "f32"  # dense-kernel dtype of every model: "f32" or "bf16" (jaxserve.models.precision)
     progress: bool = True
@@ -360,8 +362,11 @@ def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, acce
     import uvicorn
 
     settings: ServeSettings = app.state.settings
+    if (settings.ssl_certfile is None) != (settings.ssl_keyfile is None):
+        raise ValueError("HTTPS needs both ssl_certfile and ssl_keyfile")
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                          timeout_graceful_shutdown=30,
+                          timeout_graceful_shutdown=30, ssl_certfile=settings.ssl_certfile,
+                          ssl_keyfile=settings.ssl_keyfile,
                           http=timed_protocol(settings.header_timeout_s, app.state.metrics.read_timeout))
 
 
@@ -387,9 +392,13 @@ def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, ac
     def stop() -> None:
         server.should_exit = True
 
-    if settings.api_key is None and not _loopback(host):
-        log.warning("listening on %s without an API key: anyone who can reach this port can use its cores "
-                    "(set JAXSERVE_API_KEY or --api-key)", host)
+    if not _loopback(host):
+        if settings.api_key is None:
+            log.warning("listening on %s without an API key: anyone who can reach this port can use its cores "
+                        "(set JAXSERVE_API_KEY or --api-key)", host)
+        elif settings.ssl_certfile is None:
+            log.warning("listening on %s over plain HTTP: the API key crosses the network in clear text "
+                        "(--ssl-certfile/--ssl-keyfile, or a TLS proxy in front)", host)
     app = build_app(settings, on_warmup_error=stop)
     config = uvicorn_config(app, host, port, access_log)
     # Bind before warmup starts: a port in use now exits at once (uvicorn's exit 3), where

@@ -145,6 +145,13 @@ def test_bad_flags_are_usage_errors_before_any_work(argv, needle, capsys):
     assert needle in err and argv[1] in err, err
 
 
+def test_https_needs_both_certificate_and_key(capsys):
+    from jaxserve.cli import main
+
+    assert main(["serve", "--ssl-certfile", __file__]) == 2
+    assert "--ssl-certfile and --ssl-keyfile go together" in capsys.readouterr().err
+
+
 def test_a_bucket_beyond_the_models_positions_is_refused_before_warmup(capsys):
     from jaxserve.cli import main
     from jaxserve.compile_cache import compile_count

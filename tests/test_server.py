@@ -6,6 +6,7 @@ import base64
 import concurrent.futures as cf
 import json
 import socket
+import ssl
 import threading
 import time
 
@@ -34,12 +35,14 @@ class LiveServer:
         self.app = build_app(settings)
         self.server = uvicorn.Server(uvicorn_config(self.app, port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if settings.ssl_certfile else 'http'}://127.0.0.1:{self.port}"
+        # the client trusts the server's own (self-signed) certificate, and nothing else
+        self.verify = ssl.create_default_context(cafile=settings.ssl_certfile) if settings.ssl_certfile else True
 
     def __enter__(self):
         self.thread.start()
         deadline = time.monotonic() + 300
-        with httpx.Client(base_url=self.url) as c:
+        with httpx.Client(base_url=self.url, verify=self.verify) as c:
             while time.monotonic() < deadline:
                 try:
                     if c.get("/readyz").status_code == 200:
@@ -479,6 +482,29 @@ def test_an_api_key_guards_every_route_but_probes_metrics_and_docs(tmp_path):
             openai.OpenAI(base_url=srv.url + "/v1", api_key="not-the-key", max_retries=0).models.list()
         assert _series(srv.url, 'jaxserve_requests_total{path="/v1/embeddings",status="401"}') == 5.0
         assert _series(srv.url, 'jaxserve_requests_total{path="/v1/models",status="401"}') == 2.0
+
+
+def test_https_with_the_servers_certificate(tmp_path):
+    """With a certificate and key the server speaks only HTTPS: a client that trusts the
+    certificate gets the usual answers (the slow-client deadline still applies under TLS),
+    a plain-HTTP request gets no answer, and a client that does not trust it refuses."""
+    settings = ServeSettings(models=("minilm-l6",), cache_dir=str(tmp_path / "cache"), progress=False,
+                             header_timeout_s=2.0, text_grid=ShapeGrid(batch_sizes=(1,), seq_buckets=(16,)),
+                             ssl_certfile=str(FIXTURES / "tls-test-cert.pem"),
+                             ssl_keyfile=str(FIXTURES / "tls-test-key.pem"))
+    with LiveServer(settings) as srv:
+        assert srv.url.startswith("https://")
+        with httpx.Client(base_url=srv.url, verify=srv.verify, timeout=60) as c:
+            r = c.post("/v1/embeddings", json={"input": "over TLS"})
+            assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{srv.port}/healthz", timeout=10)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(srv.url + "/healthz", timeout=10)  # the system's trust store does not know it
+        tls = srv.verify.wrap_socket(socket.create_connection(("127.0.0.1", srv.port)), server_hostname="127.0.0.1")
+        tls.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n")  # and stalls
+        assert _read_to_eof(tls).startswith(b"HTTP/1.1 408")
+        tls.close()
 
 
 def test_readiness_turns_503_when_draining_begins(tmp_path):
