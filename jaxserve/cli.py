@@ -36,7 +36,7 @@ def cmd_warmup(args) -> int:
     t0 = time.perf_counter()
     cache = CompileCache(args.cache_dir, rebuild_serialized=True)  # the deploy job fills the fast path
     settings = ServeSettings(models=_models(args), cache_dir=args.cache_dir, precision=args.precision,
-                             **_grids(args))
+                             **_served(args))
     runtimes = load_runtimes(settings, cache)
     for name, rt in runtimes.items():
         sources = {}
@@ -105,6 +105,18 @@ def _existing_file(text: str) -> str:
     return text
 
 
+def _heads_dir(text: str) -> str:
+    if not sorted(Path(text).glob("*.npz")):
+        raise argparse.ArgumentTypeError(f"{text!r} holds no task heads (TASK.npz files)")
+    return text
+
+
+def _prompts_dir(text: str) -> str:
+    if not (Path(text) / "repository.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a prompt repository (no repository.json)")
+    return text
+
+
 def _api_key(text: str) -> str:
     """A bearer token clients can send in a header: 8+ visible ASCII characters, no spaces."""
     if len(text) < 8 or not all(33 <= ord(c) <= 126 for c in text):
@@ -149,10 +161,12 @@ def _otas_extra(args) -> dict:
     return {"otas": {"tome_gamma": args.tome_gamma, "vpt_gamma": args.vpt_gamma}}
 
 
-def _grids(args) -> dict:
-    """``text_grid`` and ``image_grid`` as --batch-sizes, --buckets and --gammas (and
-    --policy, for the gammas' default) ask: one rule for warmup, serve and profile, so a
-    warmup job given a server's flags fills exactly the cells that server loads."""
+def _served(args) -> dict:
+    """What warmup, serve and profile serve, as their shared flags ask: ``text_grid`` and
+    ``image_grid`` (--batch-sizes, --buckets, --gammas, and --policy for the gammas' default)
+    and the task assets (--heads-dir, --prompts-dir; the image executables' shapes depend on
+    the prompt repository). One rule for all three, so a warmup job given a server's flags
+    fills exactly the cells that server loads."""
     from jaxserve.registry import DEFAULT_IMAGE_BATCHES, DEFAULT_TEXT_BATCHES, text_grid
     from jaxserve.sched.base import ShapeGrid
 
@@ -163,7 +177,8 @@ def _grids(args) -> dict:
         if max(args.buckets) > limit:
             raise CliError(f"--buckets: {max(args.buckets)} exceeds minilm-l6's {limit} positions")
     return {"text_grid": text_grid(buckets=args.buckets, batch_sizes=args.batch_sizes or DEFAULT_TEXT_BATCHES),
-            "image_grid": ShapeGrid(args.batch_sizes or DEFAULT_IMAGE_BATCHES, gammas=_image_gammas(args))}
+            "image_grid": ShapeGrid(args.batch_sizes or DEFAULT_IMAGE_BATCHES, gammas=_image_gammas(args)),
+            "heads_dir": args.heads_dir, "prompts_dir": args.prompts_dir}
 
 
 def cmd_serve(args) -> int:
@@ -177,7 +192,7 @@ def cmd_serve(args) -> int:
         api_key=args.api_key, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         **{k: getattr(args, k) for k in ("max_body_bytes", "header_timeout_s", "body_timeout_s")
            if getattr(args, k) is not None},  # unset: ServeSettings' defaults
-        **_grids(args), extra=_otas_extra(args),
+        **_served(args), extra=_otas_extra(args),
         slo_ms=args.slo_ms, arlo_period_s=args.arlo_period_s, arlo_max_batch=args.arlo_max_batch,
         dt_penalty=args.dt_penalty, arlo_autoscale_from=args.arlo_autoscale_from,
     )
@@ -196,7 +211,7 @@ def cmd_profile(args) -> int:
         return _staircase(args)
     cache = CompileCache(args.cache_dir)
     runtimes = load_runtimes(ServeSettings(models=_models(args), cache_dir=args.cache_dir, precision=args.precision,
-                                           **_grids(args)), cache)
+                                           **_served(args)), cache)
     latency = {
         name: profile_table(rt.table, rt.weights, lambda c, rt=rt: example_inputs(rt, c),
                             repeats=args.repeats, progress=True)
@@ -379,7 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    def grid(sp):
+    def served(sp):
+        sp.add_argument("--heads-dir", type=_heads_dir, default=None,
+                        help="minilm-l6's task heads, TASK.npz each (training/train_text_head.py --out; "
+                             "default: the shipped sentiment head)")
+        sp.add_argument("--prompts-dir", type=_prompts_dir, default=None,
+                        help="vit-demo's prompt repository (jaxserve train-prompts --out; default: the shipped one)")
         sp.add_argument("--batch-sizes", type=_int_list(1), default=None,
                         help="e.g. 1,2,4,8 (default: 1,2,4,8,16,32)")
         sp.add_argument("--buckets", type=_int_list(1), default=None,
@@ -397,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sp = sub.add_parser("warmup", help="compile every executable into the cache")
     common(sp)
-    grid(sp)
+    served(sp)
     sp.add_argument("--policy", default="default", choices=SERVE_POLICIES,
                     help="the policy the server will run: only the image grid's default gammas depend on it")
     sp.add_argument("--prune", action="store_true",
@@ -432,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                          "else 408)")
     sp.add_argument("--body-timeout-s", type=POSITIVE, default=None,
                     help="a request body must arrive within this after its headers (default 60; else 408)")
-    grid(sp)
+    served(sp)
     sp.add_argument("--slo-ms", type=POSITIVE, default=None,
                     help="the deadline of every request that sends no slo_ms of its own (default: none); "
                          "arlo/st/dt/infaas also plan for it as the stream's SLO (default there: the paper's "
@@ -457,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--tolerance", type=POSITIVE, default=0.25)
     sp.add_argument("--repeats", type=POSITIVE_INT, default=5)
     sp.add_argument("--out", default=None)
-    grid(sp)
+    served(sp)
     sp.add_argument("--accuracy", action="store_true",
                     help="also profile accuracy per (task, gamma) on the held-out profiling split (OTAS)")
     sp.set_defaults(fn=cmd_profile)

@@ -49,6 +49,8 @@ class ServeSettings:
     progress: bool = True
     text_grid: object = None  # ShapeGrid override (tests use a small one)
     image_grid: object = None
+    heads_dir: str | None = None  # minilm-l6's task heads (TASK.npz); None: the shipped ones
+    prompts_dir: str | None = None  # vit-demo's prompt repository; None: the shipped one
     extra: dict = field(default_factory=dict)
     # Arlo and its baselines (--policy arlo|st|dt|infaas; jaxserve/sched/arlo.py, baselines.py)
     # the deadline of every request that sends no slo_ms (Engine.default_slo_ms); for arlo/st/dt/infaas
@@ -66,10 +68,12 @@ def load_runtimes(settings: ServeSettings, cache: CompileCache | None) -> dict[s
     runtimes = {}
     for name in settings.models:
         if name == "minilm-l6":
-            runtimes[name] = registry.load_text_runtime(name, cache, settings.text_grid, settings.progress,
-                                                        precision=settings.precision)
+            runtimes[name] = registry.load_text_runtime(
+                name, cache, settings.text_grid, settings.progress, precision=settings.precision,
+                heads_dir=None if settings.heads_dir is None else Path(settings.heads_dir))
         elif name == "vit-demo":
             runtimes[name] = registry.load_image_runtime(name, cache, settings.image_grid, settings.progress,
+                                                         prompts_dir=settings.prompts_dir,
                                                          precision=settings.precision)
         else:
             raise ValueError(f"unknown model {name!r}; known: minilm-l6, vit-demo")

@@ -86,6 +86,65 @@ def test_warmup_takes_the_server_s_grid_flags_so_serve_loads_every_cell(tmp_path
         proc.wait(60)
 
 
+def test_a_users_own_trained_prompts_and_heads_are_warmed_and_served(tmp_path):
+    """The training workflow end to end: train a prompt repository with the script into a
+    directory of one's own, warm it with the server's flags, serve it (and one's own text
+    head) from there. The server then offers exactly those tasks, answers them from the
+    serialized executables and compiles nothing."""
+    import os
+    import shutil
+    import socket
+    import time
+
+    import httpx
+
+    from jaxserve.registry import ASSETS
+
+    prompts, heads, cache = tmp_path / "prompts", tmp_path / "heads", tmp_path / "cache"
+    trained = run("train-prompts", "--tasks", "parity", "--prompts", "2", "--epochs", "1", "--no-profile",
+                  "--out", str(prompts))
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    heads.mkdir()
+    shutil.copy(ASSETS / "heads" / "minilm-l6" / "sentiment.npz", heads / "mood.npz")
+    flags = ["--batch-sizes", "1,2", "--buckets", "16", "--gammas=0,2", "--cache-dir", str(cache),
+             "--prompts-dir", str(prompts), "--heads-dir", str(heads)]
+    warm = run("warmup", *flags)
+    assert warm.returncode == 0, warm.stderr[-2000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", *flags, "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline, ready = time.monotonic() + 300, False
+        while not ready and time.monotonic() < deadline:
+            assert proc.poll() is None, "the server exited"
+            try:
+                ready = httpx.get(url + "/readyz", timeout=2).status_code == 200
+            except httpx.TransportError:
+                time.sleep(0.3)
+        assert ready, "the server did not become ready"
+        cards = {m["id"]: m for m in httpx.get(url + "/v1/models").json()["data"]}
+        assert list(cards["vit-demo"]["tasks"]) == ["parity"] and list(cards["minilm-l6"]["tasks"]) == ["mood"]
+        image = [[0.5] * 32] * 32
+        r = httpx.post(url + "/v1/classify/image", json={"task": "parity", "inputs": [image]}, timeout=60)
+        assert r.status_code == 200 and r.json()["results"][0]["label"] in ("even", "odd"), r.text
+        assert httpx.post(url + "/v1/classify/image", json={"task": "digits", "inputs": [image]}).status_code == 404
+        r = httpx.post(url + "/v1/classify/text", json={"task": "mood", "inputs": ["what a day"]}, timeout=60)
+        assert r.status_code == 200 and r.json()["results"][0]["label"], r.text
+        rows = json.loads((cache / "manifest.json").read_text())["entries"]
+        assert {e["source"] for e in rows if e["model"] == "vit-demo"} == {"serialized"}
+        metrics = httpx.get(url + "/metrics").text
+        assert "jaxserve_compilations_since_ready 0.0" in metrics
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    bad = run("serve", "--prompts-dir", str(heads))
+    assert bad.returncode == 2 and "not a prompt repository" in bad.stderr
+
+
 def test_simulate_replays_a_trace_file(tmp_path):
     cells = {Cell(b, s): 0.001 * b + 0.00005 * s * b for b in (1, 4) for s in (16, 64)}
     cost = CostModel({"minilm-l6": LatencyProfile("minilm-l6", cells)})
