@@ -78,13 +78,20 @@ def load_text_runtime(name: str = "minilm-l6", cache=None, grid: ShapeGrid | Non
     grid = grid or text_grid(name)
     table = PolymorphTable(bert_servable(name, cfg, grid, precision), cache)
     table.warmup(progress=progress)
-    heads = {}
     heads_dir = heads_dir or ASSETS / "heads" / name
-    if heads_dir.exists():
-        for f in sorted(heads_dir.glob("*.npz")):
-            heads[f.stem] = TaskHead.load(f.stem, f)
+
+    def read_assets():  # the heads apply after the executable: any linear head over the embedding fits
+        heads = {}
+        for f in sorted(heads_dir.glob("*.npz")) if heads_dir.exists() else ():
+            head = TaskHead.load(f.stem, f)
+            if head.weight.shape[0] != cfg.hidden_size:
+                raise ValueError(f"{f}: head over {head.weight.shape[0]} features; {name} gives {cfg.hidden_size}")
+            heads[f.stem] = head
+        return heads, None, None
+
+    heads, _, _ = read_assets()
     return ModelRuntime(name, table, weights_of(model, precision), heads, TextTokenizer(model_dir / "tokenizer.json"),
-                        embedding_dim=cfg.hidden_size)
+                        embedding_dim=cfg.hidden_size, read_assets=read_assets)
 
 
 def vit_demo_dir() -> Path:
@@ -132,27 +139,43 @@ def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | Non
     meta = json.loads((path / "meta.json").read_text())
     cfg, model = load_checkpoint(path)
     prompts_dir = Path(prompts_dir) if prompts_dir is not None else vit_demo_prompts_dir()
-    if (prompts_dir / "repository.json").exists():
-        repo = PromptRepository.load(prompts_dir, config_key=cfg.key())
-    else:
-        repo = backbone_repository(cfg, model, "digits", tuple(str(i) for i in range(cfg.num_classes)))
     grid = grid or ShapeGrid(DEFAULT_IMAGE_BATCHES)
-    missing = repo.missing_for(grid.gammas)
-    if missing:
-        raise ValueError(f"the prompt repository {prompts_dir} lacks {missing} for gammas {grid.gammas}; "
-                         "run `jaxserve train-prompts` or serve other gammas")
+    compiled_for: dict = {}  # the repository shape the executables are compiled for, once they are
+
+    def read_assets():
+        """The repository, its heads and accuracy profile, checked against the grid (every
+        task has prompts for every gamma) and, once compiled, against the executables: the
+        prompt mode and head width are part of their shapes."""
+        if (prompts_dir / "repository.json").exists():
+            repo = PromptRepository.load(prompts_dir, config_key=cfg.key())
+        else:
+            repo = backbone_repository(cfg, model, "digits", tuple(str(i) for i in range(cfg.num_classes)))
+        missing = repo.missing_for(grid.gammas)
+        if missing:
+            raise ValueError(f"the prompt repository {prompts_dir} lacks {missing} for gammas {grid.gammas}; "
+                             "run `jaxserve train-prompts` or serve other gammas")
+        shape = {"prompt mode": repo.prompt_mode, "head width (widest task's classes)": repo.num_classes}
+        for what, value in shape.items():
+            if compiled_for and compiled_for[what] != value:
+                raise ValueError(f"{prompts_dir}: its {what} is {value!r}, the executables' is "
+                                 f"{compiled_for[what]!r}; warm and restart to serve it")
+
+        def head_accuracy(task: str):  # held-out accuracy at gamma 0; the backbone's own for its own head
+            measured = repo.entry(task, 0).accuracy
+            return meta.get("test_accuracy") if measured is None and task == "digits" else measured
+
+        heads = {t: TaskHead(t, labels, None, None, feature="logits", accuracy=head_accuracy(t))
+                 for t, labels in repo.labels.items()}
+        accuracy = None
+        if (prompts_dir / "accuracy.json").exists():
+            accuracy = load_accuracy_profile(prompts_dir / "accuracy.json", name)
+        return heads, repo, accuracy
+
+    heads, repo, accuracy = read_assets()
     table = PolymorphTable(vit_servable(name, cfg, grid, repo.prompt_mode, repo.num_classes, precision), cache)
     table.warmup(progress=progress)
-    def head_accuracy(task: str):  # held-out accuracy at gamma 0; the backbone's own for its own head
-        measured = repo.entry(task, 0).accuracy
-        return meta.get("test_accuracy") if measured is None and task == "digits" else measured
-
-    heads = {t: TaskHead(t, labels, None, None, feature="logits", accuracy=head_accuracy(t))
-             for t, labels in repo.labels.items()}
-    accuracy = None
-    if (prompts_dir / "accuracy.json").exists():
-        accuracy = load_accuracy_profile(prompts_dir / "accuracy.json", name)
+    compiled_for.update({"prompt mode": repo.prompt_mode, "head width (widest task's classes)": repo.num_classes})
     norm = meta.get("normalisation", {"mean": 0.0, "std": 1.0})
     return ModelRuntime(name, table, weights_of(model, precision), heads, None,
                         (cfg.image_size, cfg.image_size, cfg.num_channels), float(norm["mean"]), float(norm["std"]),
-                        prompts=repo, accuracy=accuracy)
+                        prompts=repo, accuracy=accuracy, read_assets=read_assets)

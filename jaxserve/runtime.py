@@ -14,10 +14,11 @@ is one call of one executable; each item's probabilities are then read from the 
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -82,6 +83,37 @@ class ModelRuntime:
     prompts: Any = None  # jaxserve.prompts.PromptRepository: per-sample prompts and heads (images)
     accuracy: AccuracyProfile | None = None  # profiled accuracy per (task, gamma), for OTAS policies
     embedding_dim: int | None = None  # width of a text model's sentence embedding
+    # re-reads (heads, prompts, accuracy) from where they were loaded, checked against this
+    # runtime's executables (jaxserve.registry sets it); None: the assets cannot be reloaded
+    read_assets: Callable[[], tuple[dict, Any, Any]] | None = field(default=None, repr=False)
+    _assets_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def swap_assets(self, heads: dict[str, TaskHead], prompts: Any = None, accuracy: Any = None) -> list[str]:
+        """Serve new task heads (and, for images, a new prompt repository) from the next batch
+        on, with the executables as they are: heads are applied after the executable and
+        prompts are its arguments, so nothing compiles. A batch already running finishes
+        with the assets it started with (``execute`` reads them once, under the same lock).
+
+        Tasks can be added and updated, never removed: requests for a task may already be
+        queued, and each must still be answered. Returns the added task names."""
+        self.check_assets(heads, prompts)
+        with self._assets_lock:
+            added = sorted(set(heads) - set(self.heads))
+            self.heads, self.prompts, self.accuracy = dict(heads), prompts, accuracy
+        return added
+
+    def check_assets(self, heads: dict[str, TaskHead], prompts: Any = None) -> None:
+        """Raise ValueError if :meth:`swap_assets` would refuse these."""
+        gone = sorted(set(self.heads) - set(heads))
+        if gone:
+            raise ValueError(f"{self.name}: a reload cannot remove tasks {gone} (requests for them may be "
+                             "queued); restart the server to drop a task")
+        if (prompts is None) != (self.prompts is None):
+            raise ValueError(f"{self.name}: a reload cannot add or drop the prompt repository")
+
+    def _assets(self) -> tuple[dict[str, TaskHead], Any]:
+        with self._assets_lock:
+            return self.heads, self.prompts
 
     @property
     def kind(self) -> str:
@@ -96,29 +128,33 @@ class ModelRuntime:
         """The task an image item without one is served as (the first registered)."""
         return next(iter(self.heads), "")
 
-    def prepare_inputs(self, cell: Cell, payloads: Sequence[Any], tasks: Sequence[str]) -> tuple:
-        """The executable's inputs after the weights, for ``payloads`` padded into ``cell``."""
+    def prepare_inputs(self, cell: Cell, payloads: Sequence[Any], tasks: Sequence[str], prompts: Any = None) -> tuple:
+        """The executable's inputs after the weights, for ``payloads`` padded into ``cell``
+        (``prompts``: the repository to gather from; default: the runtime's current one)."""
         if self.kind == "text":
             return pad_token_batch(payloads, cell, pad_id=getattr(self.tokenizer, "pad_id", 0))
         images = (np.stack(payloads) - self.pixel_mean) / self.pixel_std
         pixels = pad_image_batch(images, cell)
-        if self.prompts is None:
+        prompts = prompts if prompts is not None else self.prompts
+        if prompts is None:
             raise ValueError(f"{self.name}: image executables take per-sample heads; give the runtime a prompt "
                              "repository (jaxserve.prompts.backbone_repository serves the backbone's own head)")
-        tasks = [t or self.default_task for t in tasks]
-        return (pixels, *self.prompts.gather(tasks, cell.gamma, cell.batch))
+        default = next(iter(prompts.labels), "")
+        tasks = [t or default for t in tasks]
+        return (pixels, *prompts.gather(tasks, cell.gamma, cell.batch))
 
     def execute(self, cell: Cell, payloads: Sequence[Any], tasks: Sequence[str]) -> BatchOutput:
         t0 = time.perf_counter()
-        inputs = self.prepare_inputs(cell, payloads, tasks)
+        heads, prompts = self._assets()  # one consistent set for the whole batch (swap_assets)
+        inputs = self.prepare_inputs(cell, payloads, tasks, prompts)
         outputs = unpad_rows(self.table.run(cell, self.weights, *inputs), len(payloads))
         items = []
         for i, task in enumerate(tasks):
             item = {k: v[i] for k, v in outputs.items()}
-            if not task and self.prompts is not None:
-                task = self.default_task
+            if not task and prompts is not None:
+                task = next(iter(heads), "")
             if task:
-                head = self.heads[task]
+                head = heads[task]
                 probs = head.probabilities(item[head.feature][None])[0]
                 item["probabilities"] = probs
                 item["label"] = head.labels[int(np.argmax(probs))]

@@ -80,6 +80,7 @@ class ServerState:
     started: float = field(default_factory=time.monotonic)
     created: float = field(default_factory=time.time)  # wall clock, for OpenAI's model "created"
     info: dict[str, Any] = field(default_factory=dict)
+    reload: Any = None  # engine -> report: re-read the task assets (serving.server.reload_assets); None: not offered
 
 
 def _path_label(scope, routes=()) -> str:
@@ -550,6 +551,27 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
         if model not in eng.runtimes:
             raise ApiError(404, f"unknown model {model!r}; served: {sorted(eng.runtimes)}", "model")
         return model_card(model, eng.runtimes[model])
+
+    reloading = asyncio.Lock()
+
+    @app.post("/admin/reload")
+    async def reload_assets():
+        """Re-read the task heads and prompt repositories from disk and serve them from the
+        next batch on, with no compile and no restart (they are arguments of the executables,
+        or applied after them). All or nothing; 409 with the reason if the new files do not
+        fit, and the server goes on with what it had. One reload at a time."""
+        eng = engine()
+        if state.reload is None:
+            raise ApiError(404, "this server does not reload its assets")
+        async with reloading:
+            try:
+                report = await asyncio.to_thread(state.reload, eng)
+            except Exception as exc:  # whatever the files made the reading raise: nothing was swapped
+                metrics.asset_reloads.labels("refused").inc()
+                log.warning("reload refused: %s", exc, exc_info=not isinstance(exc, ValueError))
+                raise ApiError(409, f"reload refused, still serving the previous assets: {exc}") from None
+        metrics.asset_reloads.labels("ok").inc()
+        return report
 
     @app.get("/healthz")
     async def healthz():

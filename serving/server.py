@@ -217,6 +217,27 @@ class DynamicShapeEmulation:
         return out
 
 
+def reload_assets(engine: Engine, settings: ServeSettings) -> dict:
+    """Re-read every model's task assets (text heads, the image prompt repository) from where
+    they were loaded and serve them from the next batch on, with the same executables: nothing
+    compiles. All or nothing: every model's new assets are read and checked (they fit the
+    executables, no task disappears) before any is swapped in, so a bad file leaves the
+    server exactly as it was. Raises ValueError with the reason."""
+    if settings.policy in IMAGE_POLICIES:
+        raise ValueError(f"--policy {settings.policy} plans with the accuracy profile it was built with; "
+                         "restart the server to serve new prompts")
+    before = compile_count()
+    fresh = {name: rt.read_assets() for name, rt in engine.runtimes.items() if rt.read_assets is not None}
+    for name, (heads, prompts, _) in fresh.items():
+        engine.runtimes[name].check_assets(heads, prompts)
+    models = {}
+    for name, (heads, prompts, accuracy) in fresh.items():
+        added = engine.runtimes[name].swap_assets(heads, prompts, accuracy)
+        models[name] = {"tasks": sorted(heads), "added": added}
+    log.info("reloaded task assets: %s", "; ".join(f"{n}: {', '.join(m['tasks'])}" for n, m in models.items()))
+    return {"models": models, "compilations": compile_count() - before}
+
+
 def build_engine(settings: ServeSettings) -> Engine:
     cache = CompileCache(settings.cache_dir) if settings.cache_dir else None
     runtimes = load_runtimes(settings, cache)
@@ -257,6 +278,7 @@ def build_app(settings: ServeSettings, on_warmup_error: Callable[[], None] | Non
     is then called too (``serve`` uses it to stop the server and exit 1, as Triton does by
     default, so a supervisor sees the failure; an embedding caller may keep serving 503s)."""
     state = ServerState(info={"instances": settings.instances, "max_queue": settings.max_queue})
+    state.reload = lambda engine: reload_assets(engine, settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

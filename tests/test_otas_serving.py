@@ -68,6 +68,13 @@ def test_models_lists_the_tasks_and_gammas(server):
     assert set(model["tasks"]) == set(TASK_LABELS)
 
 
+def test_reload_is_refused_under_otas(server):
+    """OTAS plans with the accuracy profile it was built with: a reload would leave the
+    policy planning for prompts that are no longer served, so it is refused (409)."""
+    r = httpx.post(server.url + "/admin/reload", timeout=60)
+    assert r.status_code == 409 and "accuracy profile" in r.json()["error"]["message"], r.text
+
+
 def test_each_answer_reports_gamma_and_outcome_type(server):
     images = _images(3)
     with httpx.Client(base_url=server.url, timeout=60) as c:

@@ -507,6 +507,123 @@ def test_https_with_the_servers_certificate(tmp_path):
         tls.close()
 
 
+def _forced_head(src, label_index: int, dst) -> None:
+    """A copy of a text head whose bias makes it always answer one label."""
+    from jaxserve.runtime import TaskHead
+
+    head = TaskHead.load("x", src)
+    bias = np.full_like(head.bias, -1e4)
+    bias[label_index] = 1e4
+    TaskHead(head.name, head.labels, head.weight, bias, head.feature, head.accuracy).save(dst)
+
+
+def _relabelled_repository(src, dst, relabel: dict, extra_task: tuple | None = None) -> None:
+    """The prompt repository at ``src`` saved at ``dst`` with some tasks' labels renamed, and
+    optionally an extra task of ``extra_task = (name, classes)`` reusing digits' prompts."""
+    from jaxserve.prompts import PromptEntry, PromptRepository
+
+    repo = PromptRepository.load(src)
+    new = PromptRepository(repo.config_key, repo.num_layers, repo.hidden_size, repo.prompt_mode, meta=repo.meta)
+    for (task, p), e in sorted(repo.entries.items()):
+        new.add(e, relabel.get(task, repo.labels[task]))
+        if extra_task and task == "digits":
+            name, classes = extra_task
+            new.add(PromptEntry(name, p, e.prompts, np.zeros((repo.hidden_size, classes), np.float32),
+                                np.zeros(classes, np.float32)), [f"c{i}" for i in range(classes)])
+    new.save(dst)
+
+
+def test_reload_serves_retrained_heads_and_prompts_without_compiling(tmp_path):
+    """POST /admin/reload re-reads the text heads and the prompt repository and serves them
+    from the next batch, with the same executables (0 compiles), while requests keep being
+    answered. It is all or nothing: a repository that does not fit the executables (a wider
+    head) or a reload that would drop a task is a 409 naming the reason, and the server goes
+    on with exactly what it had, the valid half of that reload included."""
+    import shutil
+
+    from jaxserve.registry import ASSETS, vit_demo_prompts_dir
+
+    heads, prompts = tmp_path / "heads", tmp_path / "prompts"
+    heads.mkdir()
+    shutil.copy(ASSETS / "heads" / "minilm-l6" / "sentiment.npz", heads / "sentiment.npz")
+    shutil.copytree(vit_demo_prompts_dir(), prompts)
+    settings = ServeSettings(models=("minilm-l6", "vit-demo"), cache_dir=str(tmp_path / "cache"), progress=False,
+                             text_grid=ShapeGrid(batch_sizes=(1, 4), seq_buckets=(16,)),
+                             image_grid=ShapeGrid(batch_sizes=(1, 4), gammas=(0, 2)),
+                             heads_dir=str(heads), prompts_dir=str(prompts))
+    image = [[0.5] * 32] * 32
+    with LiveServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        def text_label(task="sentiment"):
+            r = c.post("/v1/classify/text", json={"task": task, "inputs": ["an ordinary day"]})
+            assert r.status_code == 200, r.text
+            return r.json()["results"][0]["label"]
+
+        def parity_labels():
+            r = c.post("/v1/classify/image", json={"task": "parity", "inputs": [image, image]})
+            assert r.status_code == 200, r.text
+            return {x["label"] for x in r.json()["results"]} | set(r.json()["results"][0]["probabilities"])
+
+        assert parity_labels() == {"even", "odd"}
+        labels = np.load(heads / "sentiment.npz")["labels"].tolist()
+        forced = next(i for i, lab in enumerate(labels) if lab != text_label())
+        compiles = _series(srv.url, "jaxserve_compilations")
+        # a busy server: requests keep flowing while the assets are swapped under them
+        stop, failures = threading.Event(), []
+
+        def traffic():
+            with httpx.Client(base_url=srv.url, timeout=60) as t:
+                while not stop.is_set():
+                    r = t.post("/v1/classify/text", json={"inputs": ["steady traffic", "more of it"]})
+                    if r.status_code != 200:
+                        failures.append(r.text)
+
+        worker = threading.Thread(target=traffic)
+        worker.start()
+        try:
+            _forced_head(heads / "sentiment.npz", forced, heads / "sentiment.npz")
+            _forced_head(heads / "sentiment.npz", forced, heads / "mood.npz")
+            _relabelled_repository(prompts, tmp_path / "p2", {"parity": ("EVEN", "ODD")})
+            shutil.rmtree(prompts)
+            (tmp_path / "p2").rename(prompts)
+            r = c.post("/admin/reload")
+            assert r.status_code == 200, r.text
+            assert r.json()["models"]["minilm-l6"] == {"tasks": ["mood", "sentiment"], "added": ["mood"]}
+            assert r.json()["models"]["vit-demo"]["added"] == [] and r.json()["compilations"] == 0
+            for _ in range(3):
+                assert c.post("/admin/reload").status_code == 200
+        finally:
+            stop.set()
+            worker.join(60)
+        assert not failures, failures[:3]
+        assert text_label() == labels[forced] and text_label("mood") == labels[forced]
+        assert parity_labels() == {"EVEN", "ODD"}
+
+        # refused: a wider head (12 classes > the executables' 10), with a valid new text head beside it
+        _relabelled_repository(prompts, tmp_path / "p3", {}, extra_task=("twelve", 12))
+        shutil.copytree(prompts, tmp_path / "p2")
+        shutil.rmtree(prompts)
+        (tmp_path / "p3").rename(prompts)
+        shutil.copy(heads / "mood.npz", heads / "extra.npz")
+        r = c.post("/admin/reload")
+        assert r.status_code == 409 and "head width" in r.json()["error"]["message"], r.text
+        assert "extra" not in c.get("/v1/models/minilm-l6").json()["tasks"]  # all or nothing
+        assert parity_labels() == {"EVEN", "ODD"}
+        # refused: a task would disappear
+        shutil.rmtree(prompts)
+        (tmp_path / "p2").rename(prompts)
+        (heads / "mood.npz").unlink()
+        r = c.post("/admin/reload")
+        assert r.status_code == 409 and "cannot remove tasks ['mood']" in r.json()["error"]["message"], r.text
+        assert text_label("mood") == labels[forced]
+        # refused: an unreadable head file
+        (heads / "mood.npz").write_bytes(b"not a numpy archive")
+        assert c.post("/admin/reload").status_code == 409
+        assert text_label("mood") == labels[forced]
+        assert _series(srv.url, 'jaxserve_asset_reloads_total{outcome="ok"}') == 4.0
+        assert _series(srv.url, 'jaxserve_asset_reloads_total{outcome="refused"}') == 3.0
+        assert _series(srv.url, "jaxserve_compilations") == compiles
+
+
 def test_readiness_turns_503_when_draining_begins(tmp_path):
     """Once the engine drains (the SIGTERM path), /readyz says so, so a load balancer stops
     routing here, and new work is refused with 503 rather than accepted and cut off."""
