@@ -554,12 +554,12 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
 
     reloading = asyncio.Lock()
 
-    @app.post("/admin/reload")
-    async def reload_assets():
+    async def reload_now() -> dict:
         """Re-read the task heads and prompt repositories from disk and serve them from the
         next batch on, with no compile and no restart (they are arguments of the executables,
-        or applied after them). All or nothing; 409 with the reason if the new files do not
-        fit, and the server goes on with what it had. One reload at a time."""
+        or applied after them). All or nothing: ApiError 409 with the reason if the new files
+        do not fit, and the server goes on with what it had. One reload at a time. Called by
+        ``POST /admin/reload`` and on SIGHUP (``serving.server``)."""
         eng = engine()
         if state.reload is None:
             raise ApiError(404, "this server does not reload its assets")
@@ -572,6 +572,12 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
                 raise ApiError(409, f"reload refused, still serving the previous assets: {exc}") from None
         metrics.asset_reloads.labels("ok").inc()
         return report
+
+    app.state.reload_now = reload_now
+
+    @app.post("/admin/reload")
+    async def reload_assets():
+        return await reload_now()
 
     @app.get("/healthz")
     async def healthz():

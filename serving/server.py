@@ -272,6 +272,25 @@ def settle_heap() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+def _reload_on_sighup(app: FastAPI) -> None:
+    """SIGHUP reloads the task assets, as daemons conventionally reread their files on it
+    (its default action would end the process). Only where the event loop runs in the main
+    thread (``jaxserve serve``); an embedding application keeps its own signal handling."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGHUP"):
+        return
+
+    async def reload():
+        try:
+            await app.state.reload_now()
+        except Exception as exc:  # refused (logged by reload_now) or not offered: the server goes on
+            log.warning("SIGHUP: %s", getattr(exc, "message", exc))
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(reload()))
+
+
 def build_app(settings: ServeSettings, on_warmup_error: Callable[[], None] | None = None) -> FastAPI:
     """The app; it warms its engine in the background while /healthz and /readyz answer.
     A warmup error is logged and reported by /readyz and /v1/models; ``on_warmup_error``
@@ -282,6 +301,8 @@ def build_app(settings: ServeSettings, on_warmup_error: Callable[[], None] | Non
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        _reload_on_sighup(app)  # from the start: before ready it answers "warming up", never ends the process
+
         async def warm():
             try:
                 engine = await asyncio.to_thread(build_engine, settings)

@@ -90,7 +90,7 @@ def test_a_users_own_trained_prompts_and_heads_are_warmed_and_served(tmp_path):
     """The training workflow end to end: train a prompt repository with the script into a
     directory of one's own, warm it with the server's flags, serve it (and one's own text
     head) from there. The server then offers exactly those tasks, answers them from the
-    serialized executables and compiles nothing."""
+    serialized executables and compiles nothing; a head added later goes live on SIGHUP."""
     import os
     import shutil
     import socket
@@ -136,6 +136,17 @@ def test_a_users_own_trained_prompts_and_heads_are_warmed_and_served(tmp_path):
         assert r.status_code == 200 and r.json()["results"][0]["label"], r.text
         rows = json.loads((cache / "manifest.json").read_text())["entries"]
         assert {e["source"] for e in rows if e["model"] == "vit-demo"} == {"serialized"}
+        # a head trained meanwhile goes live on SIGHUP (daemon convention; it would otherwise end the process)
+        import signal
+
+        shutil.copy(heads / "mood.npz", heads / "calm.npz")
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        while "calm" not in httpx.get(url + "/v1/models/minilm-l6").json()["tasks"]:
+            assert proc.poll() is None and time.monotonic() < deadline, "SIGHUP did not reload"
+            time.sleep(0.2)
+        r = httpx.post(url + "/v1/classify/text", json={"task": "calm", "inputs": ["what a day"]}, timeout=60)
+        assert r.status_code == 200
         metrics = httpx.get(url + "/metrics").text
         assert "jaxserve_compilations_since_ready 0.0" in metrics
     finally:
