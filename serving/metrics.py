@@ -86,8 +86,8 @@ class Metrics:
             "jaxserve_read_timeouts", "connections cut off for a slow client, by phase: idle (connected, sent "
             "nothing), headers (request headers incomplete), body (body incomplete; also a 408 request)",
             ["phase"], registry=r)
-        self.asset_reloads = Counter("jaxserve_asset_reloads", "task-asset reloads (POST /admin/reload or SIGHUP), by outcome: ok or refused",
-                                     ["outcome"], registry=r)
+        self.asset_reloads = Counter("jaxserve_asset_reloads", "task-asset reloads (POST /admin/reload or "
+                                     "SIGHUP), by outcome: ok or refused", ["outcome"], registry=r)
         r.register(_EngineCollector(state))
         self._slo_ok = 0
         self._slo_all = 0
