@@ -16,7 +16,7 @@ Two arms, one run, the same trace (real tweets, Poisson arrivals above capacity)
 
 A third and fourth arm tell the server the clients' patience: each client sends it as
 ``slo_ms``, or the server gets it as its default deadline (``--slo-ms``) and the clients
-send nothing, as OpenAI's client cannot.
+send nothing, as OpenAI's client does unless told to (its API has no such field).
 
 Every client gives up after ``--timeout`` seconds and closes its connection. Reported per
 arm: answers received in time per second (goodput), their latency, how many clients gave
@@ -140,7 +140,7 @@ def main():
              f"only reaches items still queued: under overload a FIFO queue's wait approaches the clients' "
              f"patience, so many items start just before their client leaves and finish after. A client that "
              f"sends its timeout as slo_ms lets the policy evict (answered at once, `evicted`) what can no "
-             f"longer finish in time instead; a client that cannot (OpenAI's has no such field) gets the "
+             f"longer finish in time instead; a client that does not (OpenAI's API has no such field) gets the "
              f"same from the server's `--slo-ms`, the deadline of every request that carries none.")
     print(body + "\n\n" + notes)
     if args.write:

@@ -117,8 +117,8 @@ class Engine:
     ):
         """``default_slo_ms``: the deadline of every item that carries no ``slo_ms`` of its
         own (Triton's default queue timeout; TF Serving's per-request deadline with a server
-        default). Clients that cannot send one (OpenAI's embeddings client has no such
-        field) then get one too, so the policy evicts what can no longer finish in time
+        default). Clients that send none (OpenAI's embeddings API has no such field)
+        then get one too, so the policy evicts what can no longer finish in time
         instead of computing it for a client that has given up. None: no deadline."""
         if instances < 1:
             raise ValueError("instances must be >= 1")

@@ -122,6 +122,9 @@ def test_openai_python_client_gets_the_reference_vectors(server, client):
     assert oc.embeddings.create(model="minilm-l6", input="x", dimensions=384, user="u1").data[0].embedding
     with pytest.raises(openai.UnprocessableEntityError, match="exactly 384"):
         oc.embeddings.create(model="minilm-l6", input="x", dimensions=128)
+    # a deadline travels in extra_body (OpenAI's API has no such field): one no batch can meet is evicted
+    late = oc.embeddings.create(model="minilm-l6", input="x", encoding_format="float", extra_body={"slo_ms": 0.001})
+    assert late.data[0].embedding is None and late.data[0].meta["outcome"] == "evicted"
     raw = client.post("/v1/embeddings", json={"input": texts[0], "encoding_format": "base64"}).json()
     flt = client.post("/v1/embeddings", json={"input": texts[0]}).json()
     decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), "<f4")
