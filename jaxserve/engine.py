@@ -33,7 +33,7 @@ import itertools
 import logging
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -43,6 +43,8 @@ from jaxserve.runtime import BatchOutput, ModelRuntime
 from jaxserve.sched.base import Batch, Policy, Request
 
 log = logging.getLogger("jaxserve.engine")
+
+DRAIN_WINDOW_S = 5.0  # the recent past over which the queue's drain rate is measured (Retry-After)
 
 
 class Overloaded(RuntimeError):
@@ -140,6 +142,8 @@ class Engine:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
         self._draining = False
+        self._left_queue: deque[tuple[float, int]] = deque()  # (when, items) run or evicted, last DRAIN_WINDOW_S
+        self._busy_since: float | None = None  # first dispatch: the drain rate's window starts no earlier
         self._idle_event: asyncio.Event | None = None
         self.compiles_at_ready = compile_count()
 
@@ -208,7 +212,24 @@ class Engine:
         return n
 
     def _retry_after(self) -> float:
-        return max(1.0, round(len(self._queued) * 0.01, 1))
+        """Seconds until the items queued now have left the queue (run or evicted), at the rate
+        items left it over the last ``DRAIN_WINDOW_S``: the earliest a refused request could
+        be admitted. Before anything has left, 10 ms per queued item."""
+        now = self.clock()
+        self._forget_old_drains(now)
+        left = sum(n for _, n in self._left_queue)
+        if not left or self._busy_since is None:
+            return max(0.01, len(self._queued) * 0.01)
+        span = now - max(now - DRAIN_WINDOW_S, self._busy_since)
+        return len(self._queued) * span / left if span > 0 else 0.01
+
+    def _note_left_queue(self, now: float, n: int) -> None:
+        self._left_queue.append((now, n))
+        self._forget_old_drains(now)
+
+    def _forget_old_drains(self, now: float) -> None:
+        while self._left_queue and self._left_queue[0][0] < now - DRAIN_WINDOW_S:
+            self._left_queue.popleft()
 
     # ------------------------------------------------------------- scheduling
     def _schedule(self) -> None:
@@ -218,6 +239,7 @@ class Engine:
             p = self._queued.pop(rid, None)
             if p is not None and not p.future.done():
                 self.stats.outcomes["evicted"] += 1
+                self._note_left_queue(now, 1)
                 waited = (now - p.request.arrival) * 1e3
                 p.future.set_result(Answer(self._served_info(rid), "evicted", queue_ms=waited, latency_ms=waited))
         for batch in plan.batches:
@@ -250,6 +272,9 @@ class Engine:
         tasks = [p.item.task for p in pendings]
         started = now
         self.stats.batches += 1
+        if self._busy_since is None:
+            self._busy_since = now
+        self._note_left_queue(now, len(pendings))
 
         def work() -> BatchOutput:
             try:

@@ -38,7 +38,6 @@ import binascii
 import hmac
 import io
 import logging
-import math
 import time
 import uuid
 import warnings
@@ -441,7 +440,10 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
         except TooManyItems as exc:
             raise ApiError(413, str(exc), field_name)
         except Overloaded as exc:
-            raise ApiError(429, str(exc), headers={"Retry-After": str(int(math.ceil(exc.retry_after_s)))})
+            # milliseconds for clients that read them (OpenAI's), whole seconds (at least 1) for HTTP
+            ms = max(1, round(exc.retry_after_s * 1e3))
+            raise ApiError(429, str(exc), headers={"Retry-After": str(max(1, -(-ms // 1000))),
+                                                   "retry-after-ms": str(ms)})
         except Draining as exc:
             raise ApiError(503, str(exc))
         answers = asyncio.gather(*futures, return_exceptions=True)

@@ -77,10 +77,37 @@ def test_admission_is_all_or_nothing(table):
         assert engine.queue_depth == 4
         with pytest.raises(Overloaded) as exc:
             engine.submit(items(3))  # 4 + 3 > 5: refused whole, nothing of it queued
-        assert exc.value.retry_after_s >= 1
+        assert exc.value.retry_after_s > 0
         assert engine.queue_depth == 4
         answers = await asyncio.gather(*first, *second)
         assert len(answers) == 8
+        engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_retry_after_is_the_time_the_queue_takes_to_drain(table):
+    """A refused request is told to come back when the items queued now will have left the
+    queue, at the rate items left it recently: 4 queued, 4 dispatched over the 2 s since
+    the engine got busy (2 per s) -> 2 s. On an injected clock, so exact."""
+    t = [0.0]
+
+    async def scenario():
+        engine = make_engine(table, weights_of(init_bert(CFG)), max_queue=5, clock=lambda: t[0])
+        first = engine.submit(items(4))  # a full batch: dispatched at t = 0
+        t[0] = 2.0
+        await asyncio.gather(*first)
+        second = engine.submit(items(4))  # dispatched at t = 2: 8 items left the queue in 2 s
+        queued = engine.submit(items(4))  # the instance is busy: these wait
+        assert engine.queue_depth == 4
+        with pytest.raises(Overloaded) as exc:
+            engine.submit(items(2))
+        assert exc.value.retry_after_s == pytest.approx(4 / (8 / 2.0))
+        t[0] = 10.0  # nothing left the queue in the last 5 s: back to the cautious default
+        with pytest.raises(Overloaded) as exc:
+            engine.submit(items(2))
+        assert exc.value.retry_after_s == pytest.approx(0.04)
+        await asyncio.gather(*second, *queued)
         engine.close()
 
     asyncio.run(scenario())

@@ -325,7 +325,7 @@ def test_every_request_gets_exactly_one_answer_under_overload(server):
     def one(i):
         with httpx.Client(base_url=server.url, timeout=60) as c:
             r = c.post("/v1/embeddings", json={"input": [texts[i]] * 4, "slo_ms": 2000})
-            return r.status_code, r.headers.get("retry-after"), r.json()
+            return r.status_code, (r.headers.get("retry-after"), r.headers.get("retry-after-ms")), r.json()
 
     with cf.ThreadPoolExecutor(64) as pool:
         results = list(pool.map(one, range(sent)))
@@ -333,7 +333,9 @@ def test_every_request_gets_exactly_one_answer_under_overload(server):
     assert len(results) == sent
     assert set(codes) <= {200, 429}, set(codes)
     assert codes.count(429) > 0, "the burst should overflow a queue of 64 items"
-    assert all(ra is not None and int(ra) >= 1 for c, ra, _ in results if c == 429)
+    # whole seconds (>= 1) for HTTP, and the estimate itself in ms, which rounds up to them
+    assert all(int(s) >= 1 and int(ms) >= 1 and int(s) == max(1, -(-int(ms) // 1000))
+               for c, (s, ms), _ in results if c == 429)
     outcomes = [d["meta"]["outcome"] for c, _, b in results if c == 200 for d in b["data"]]
     assert len(outcomes) == 4 * codes.count(200)
     assert set(outcomes) <= {"ok", "late", "evicted"}
