@@ -161,8 +161,11 @@ class PolymorphTable:
             precision=s.precision, host_cpu=env["host_cpu"],
         )
 
-    def warmup(self, cells: Sequence[Cell] | None = None, progress: bool = False) -> list[ManifestRow]:
-        """Compile or load every cell (default: the whole grid); write the manifest."""
+    def warmup(self, cells: Sequence[Cell] | None = None, progress: bool = False,
+               stop: Callable[[], bool] | None = None) -> list[ManifestRow]:
+        """Compile or load every cell (default: the whole grid); write the manifest.
+        ``stop``: asked before each cell; True raises :class:`WarmupCancelled` (a server told
+        to shut down while it warms exits within one cell's compile, not the whole grid's)."""
         cells = list(cells if cells is not None else self.servable.grid.cells())
         it = cells
         if progress:
@@ -171,6 +174,7 @@ class PolymorphTable:
             it = tqdm(cells, desc=f"warmup {self.servable.name}", unit="cell")
         rows = []
         for cell in it:
+            raise_if_stopped(stop)
             rows.append(self.warm_cell(cell))
             if progress:
                 it.set_postfix_str(f"{cell.label()} {rows[-1].source} {rows[-1].compile_seconds:.2f}s")
@@ -193,6 +197,16 @@ class PolymorphTable:
         """Run one executable; outputs come back as host numpy arrays (blocking)."""
         out = self.executable(cell)(state, *inputs)
         return jax.tree_util.tree_map(np.asarray, out)
+
+
+class WarmupCancelled(Exception):
+    """Start-up was told to stop (the server is shutting down before it was ready)."""
+
+
+def raise_if_stopped(stop: Callable[[], bool] | None) -> None:
+    """The check every per-cell start-up loop (compile, profile, first run) makes per cell."""
+    if stop is not None and stop():
+        raise WarmupCancelled("start-up stopped: the server is shutting down")
 
 
 # ---------------------------------------------------------------- text padding

@@ -116,8 +116,11 @@ def time_call(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> fl
 
 
 def profile_table(table, weights, make_inputs: Callable[[Cell], tuple], repeats: int = 5,
-                  progress: bool = False) -> LatencyProfile:
-    """Latency of every warmed cell of a polymorph table, on this machine."""
+                  progress: bool = False, stop: Callable[[], bool] | None = None) -> LatencyProfile:
+    """Latency of every warmed cell of a polymorph table, on this machine (``stop``: as
+    ``PolymorphTable.warmup``'s)."""
+    from jaxserve.polymorph import raise_if_stopped
+
     cells = table.servable.grid.cells()
     it = cells
     if progress:
@@ -126,6 +129,7 @@ def profile_table(table, weights, make_inputs: Callable[[Cell], tuple], repeats:
         it = tqdm(cells, desc=f"profile {table.servable.name}", unit="cell")
     seconds = {}
     for cell in it:
+        raise_if_stopped(stop)
         inputs = make_inputs(cell)
         seconds[cell] = time_call(lambda: table.run(cell, weights, *inputs), repeats=repeats)
     return LatencyProfile(table.servable.name, seconds)

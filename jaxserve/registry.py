@@ -64,9 +64,10 @@ def text_grid(model: str = "minilm-l6", buckets: tuple[int, ...] | None = None,
 
 
 def load_text_runtime(name: str = "minilm-l6", cache=None, grid: ShapeGrid | None = None,
-                      progress: bool = False, heads_dir: Path | None = None, precision: str = "f32"):
+                      progress: bool = False, heads_dir: Path | None = None, precision: str = "f32", stop=None):
     """MiniLM (or any HF-format BERT dir) warmed over its grid, with its task heads.
-    ``precision``: "f32" or "bf16" dense kernels (jaxserve.models.precision)."""
+    ``precision``: "f32" or "bf16" dense kernels (jaxserve.models.precision); ``stop``: as
+    ``PolymorphTable.warmup``'s."""
     from jaxserve.models.bert import load_hf_bert
     from jaxserve.models.tokenizer import TextTokenizer
     from jaxserve.polymorph import PolymorphTable
@@ -77,7 +78,7 @@ def load_text_runtime(name: str = "minilm-l6", cache=None, grid: ShapeGrid | Non
     cfg, model = load_hf_bert(model_dir)
     grid = grid or text_grid(name)
     table = PolymorphTable(bert_servable(name, cfg, grid, precision), cache)
-    table.warmup(progress=progress)
+    table.warmup(progress=progress, stop=stop)
     heads_dir = heads_dir or ASSETS / "heads" / name
 
     def read_assets():  # the heads apply after the executable: any linear head over the embedding fits
@@ -121,7 +122,7 @@ def vit_demo_prompts_dir() -> Path:
 
 
 def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | None = None, progress: bool = False,
-                       prompts_dir: Path | None = None, precision: str = "f32"):
+                       prompts_dir: Path | None = None, precision: str = "f32", stop=None):
     """The demo ViT warmed over its grid, serving every task of its prompt repository.
 
     Each task's prompts and heads come from the repository (jaxserve/prompts.py) and are
@@ -173,7 +174,7 @@ def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | Non
 
     heads, repo, accuracy = read_assets()
     table = PolymorphTable(vit_servable(name, cfg, grid, repo.prompt_mode, repo.num_classes, precision), cache)
-    table.warmup(progress=progress)
+    table.warmup(progress=progress, stop=stop)
     compiled_for.update({"prompt mode": repo.prompt_mode, "head width (widest task's classes)": repo.num_classes})
     norm = meta.get("normalisation", {"mean": 0.0, "std": 1.0})
     return ModelRuntime(name, table, weights_of(model, precision), heads, None,

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -21,6 +22,7 @@ from fastapi import FastAPI
 
 from jaxserve.compile_cache import CompileCache, compile_count
 from jaxserve.engine import Engine
+from jaxserve.polymorph import WarmupCancelled, raise_if_stopped
 from jaxserve.profiler import load_cost_model, machine_description, profile_table, save_cost_model
 from jaxserve.runtime import ModelRuntime
 from jaxserve.sched import IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES
@@ -62,7 +64,9 @@ class ServeSettings:
     arlo_autoscale_from: int | None = None  # arlo: start this many of `instances` slots, target-tracking scaling
 
 
-def load_runtimes(settings: ServeSettings, cache: CompileCache | None) -> dict[str, ModelRuntime]:
+def load_runtimes(settings: ServeSettings, cache: CompileCache | None,
+                  stop: Callable[[], bool] | None = None) -> dict[str, ModelRuntime]:
+    """Every model warmed over its grid; ``stop`` as ``PolymorphTable.warmup``'s."""
     from jaxserve import registry
 
     runtimes = {}
@@ -70,11 +74,11 @@ def load_runtimes(settings: ServeSettings, cache: CompileCache | None) -> dict[s
         if name == "minilm-l6":
             runtimes[name] = registry.load_text_runtime(
                 name, cache, settings.text_grid, settings.progress, precision=settings.precision,
-                heads_dir=None if settings.heads_dir is None else Path(settings.heads_dir))
+                heads_dir=None if settings.heads_dir is None else Path(settings.heads_dir), stop=stop)
         elif name == "vit-demo":
             runtimes[name] = registry.load_image_runtime(name, cache, settings.image_grid, settings.progress,
                                                          prompts_dir=settings.prompts_dir,
-                                                         precision=settings.precision)
+                                                         precision=settings.precision, stop=stop)
         else:
             raise ValueError(f"unknown model {name!r}; known: minilm-l6, vit-demo")
     return runtimes
@@ -96,7 +100,7 @@ def example_inputs(rt: ModelRuntime, cell: Cell) -> tuple:
     return rt.prepare_inputs(cell, list(images), [""] * cell.batch)  # + per-sample prompts/heads
 
 
-def run_every_cell_once(runtimes: dict[str, ModelRuntime]) -> None:
+def run_every_cell_once(runtimes: dict[str, ModelRuntime], stop: Callable[[], bool] | None = None) -> None:
     """Execute every warm executable once before ready (profiling does this as a side effect).
 
     A loaded executable's first call pays one-time costs (buffer allocation, thread-pool
@@ -107,21 +111,23 @@ def run_every_cell_once(runtimes: dict[str, ModelRuntime]) -> None:
 
     for rt in runtimes.values():
         for cell in rt.grid.cells():
+            raise_if_stopped(stop)
             jax.block_until_ready(rt.table.run(cell, rt.weights, *example_inputs(rt, cell)))
 
 
-def price_cells(runtimes: dict[str, ModelRuntime], path: Path | None, progress: bool) -> CostModel:
+def price_cells(runtimes: dict[str, ModelRuntime], path: Path | None, progress: bool,
+                stop: Callable[[], bool] | None = None) -> CostModel:
     """The cost model the policy uses: read from ``path`` if it prices every cell, else
     measured now (``jaxserve profile`` does the same, with more repeats) and saved."""
     if path is not None and path.exists():
         cost = load_cost_model(path)
         if all(n in cost.latency and set(rt.grid.cells()) <= set(cost.latency[n].seconds)
                for n, rt in runtimes.items()):
-            run_every_cell_once(runtimes)
+            run_every_cell_once(runtimes, stop)
             return cost
     latency = {
         name: profile_table(rt.table, rt.weights, lambda cell, rt=rt: example_inputs(rt, cell),
-                            repeats=3, progress=progress)
+                            repeats=3, progress=progress, stop=stop)
         for name, rt in runtimes.items()
     }
     cost = CostModel(latency=latency, machine=machine_description())
@@ -238,12 +244,15 @@ def reload_assets(engine: Engine, settings: ServeSettings) -> dict:
     return {"models": models, "compilations": compile_count() - before}
 
 
-def build_engine(settings: ServeSettings) -> Engine:
+def build_engine(settings: ServeSettings, stop: Callable[[], bool] | None = None) -> Engine:
+    """Load and warm every model, price every cell, build the policy and the engine.
+    ``stop`` is asked before each cell (compile, profile, first run): True raises
+    ``WarmupCancelled``, so a server shut down while it warms exits within a cell."""
     cache = CompileCache(settings.cache_dir) if settings.cache_dir else None
-    runtimes = load_runtimes(settings, cache)
+    runtimes = load_runtimes(settings, cache, stop)
     cost_path = Path(settings.cost_model) if settings.cost_model else (
         default_cost_model_path(settings.cache_dir, settings.precision) if settings.cache_dir else None)
-    cost = price_cells(runtimes, cost_path, settings.progress)
+    cost = price_cells(runtimes, cost_path, settings.progress, stop)
     policy = make_policy(settings, runtimes, cost)
     return Engine(runtimes, policy, instances=settings.instances, max_queue=settings.max_queue,
                   default_slo_ms=settings.slo_ms)
@@ -277,7 +286,6 @@ def _reload_on_sighup(app: FastAPI) -> None:
     (its default action would end the process). Only where the event loop runs in the main
     thread (``jaxserve serve``); an embedding application keeps its own signal handling."""
     import signal
-    import threading
 
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGHUP"):
         return
@@ -303,9 +311,13 @@ def build_app(settings: ServeSettings, on_warmup_error: Callable[[], None] | Non
     async def lifespan(app: FastAPI):
         _reload_on_sighup(app)  # from the start: before ready it answers "warming up", never ends the process
 
+        stopping = threading.Event()  # set at shutdown: the warmup thread stops at its next cell
+
         async def warm():
             try:
-                engine = await asyncio.to_thread(build_engine, settings)
+                engine = await asyncio.to_thread(build_engine, settings, stopping.is_set)
+            except WarmupCancelled:
+                return
             except Exception as exc:
                 log.exception("warmup failed")
                 state.warm_error = f"{type(exc).__name__}: {exc}"
@@ -320,6 +332,7 @@ def build_app(settings: ServeSettings, on_warmup_error: Callable[[], None] | Non
 
         task = asyncio.create_task(warm())
         yield
+        stopping.set()  # without it, Ctrl-C while warming waited for the whole grid (42 s for MiniLM's)
         task.cancel()
         if state.engine is not None:
             drained = await state.engine.drain()
@@ -456,7 +469,10 @@ def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, ac
         log.error("cannot listen on %s:%d; nothing was warmed", host, port)
         raise
     server = uvicorn.Server(config)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: its shutdown is done, no traceback
+        sys.exit(130)
     if not server.started:
         sys.exit(3)
     if app.state.jaxserve.warm_error is not None:

@@ -266,6 +266,46 @@ def test_serving_beyond_loopback_without_a_key_warns(tmp_path):
             assert ("listening on 0.0.0.0 without an API key" in out.stderr) == warned, out.stderr[-2000:]
 
 
+def test_a_server_stopped_while_it_warms_exits_without_finishing_the_grid(tmp_path):
+    """Ctrl-C during warmup stops it at the next cell: the process exits cleanly long before
+    its 54-cell grid is compiled, rather than compiling (and profiling) all of it first, as
+    it did (the interpreter waited for the warmup thread). Checked by what it left behind,
+    not by a stopwatch. (After SIGTERM uvicorn re-raises the signal, which ends the process
+    at once either way.)"""
+    import os
+    import signal
+    import time
+
+    import httpx
+
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cache = tmp_path / "c"
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--model", "minilm-l6", "--port",
+                             str(port), "--cache-dir", str(cache)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # listening (and warming): /healthz answers at once, /readyz says 503
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 503:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: SIGTERM's re-raise ends the process anyway
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]  # the shell's code for Ctrl-C, without a traceback
+    assert "Application shutdown complete" in err
+    assert "warmup failed" not in err and "Traceback" not in err, err[-2000:]
+    compiled = list((cache / "executables").glob("*.bin"))
+    assert len(compiled) < 54, "the whole grid was compiled before the server stopped"
+    assert not (cache / "manifest.json").exists()
+
+
 def test_serve_exits_nonzero_when_warmup_fails(tmp_path):
     """A warmup error (here an unreadable cost model) stops the server with exit 1 and the
     reason, so a supervisor sees it, instead of a server answering 503 forever."""
