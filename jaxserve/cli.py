@@ -522,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     except MissingAsset as exc:
         print(f"jaxserve {args.command}: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the shell's exit code, no traceback
+        print(f"jaxserve {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 class CliError(Exception):

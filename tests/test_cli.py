@@ -306,6 +306,34 @@ def test_a_server_stopped_while_it_warms_exits_without_finishing_the_grid(tmp_pa
     assert not (cache / "manifest.json").exists()
 
 
+def test_an_interrupted_warmup_leaves_a_cache_the_next_one_builds_on(tmp_path):
+    """Ctrl-C during `jaxserve warmup`: exit 130 with one line, no traceback; every cell it
+    finished is a valid entry, which the next warmup loads instead of compiling again."""
+    import signal
+    import time
+
+    cache = tmp_path / "c"
+    flags = ["warmup", "--model", "minilm-l6", "--batch-sizes", "1,2,4,8", "--buckets", "16,32,64,128",
+             "--cache-dir", str(cache)]
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", *flags], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not list((cache / "executables").glob("*.bin")):
+            assert proc.poll() is None and time.monotonic() < deadline, "warmup never wrote an entry"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "jaxserve warmup: interrupted" in err and "Traceback" not in err, err[-2000:]
+    done = sum(b.with_suffix(".json").exists() for b in (cache / "executables").glob("*.bin"))  # whole entries
+    assert 1 <= done < 16
+    again = run(*flags)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"minilm-l6: 16 executables ({done} serialized, {16 - done} compiled)" in again.stdout, again.stdout
+
+
 def test_serve_exits_nonzero_when_warmup_fails(tmp_path):
     """A warmup error (here an unreadable cost model) stops the server with exit 1 and the
     reason, so a supervisor sees it, instead of a server answering 503 forever."""
