@@ -319,7 +319,7 @@ def test_an_interrupted_warmup_leaves_a_cache_the_next_one_builds_on(tmp_path):
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
-        while not list((cache / "executables").glob("*.bin")):
+        while not list((cache / "executables").glob("*.json")):  # an entry's metadata is written last
             assert proc.poll() is None and time.monotonic() < deadline, "warmup never wrote an entry"
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
