@@ -22,6 +22,10 @@ Every client gives up after ``--timeout`` seconds and closes its connection. Rep
 arm: answers received in time per second (goodput), their latency, how many clients gave
 up, how many were refused with 429, and from the server's ``/metrics`` once it is idle
 again: items computed, items withdrawn, and items computed for clients that had left.
+
+Then the same arms in the simulator, calibrated on the first arm's answers only, to check
+that it predicts overload with impatient clients (``simulate(client_timeout=)``), not just
+the moderate load ``bench/fidelity.py`` checks.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ async def impatient(url: str, schedule: np.ndarray, texts: list[str], timeout_s:
     counts = {"answered": 0, "evicted": 0, "gave_up": 0, "429": 0, "other": 0}
     extra = {"slo_ms": timeout_s * 1e3} if send_slo else {}
     latencies: list[float] = []
+    computed: list[tuple[str, float, float]] = []  # (shape, compute ms, held ms) of answers: calibration
     start_t = time.perf_counter()
 
     async def one(i: int, when: float):
@@ -61,11 +66,13 @@ async def impatient(url: str, schedule: np.ndarray, texts: list[str], timeout_s:
         except (OSError, asyncio.IncompleteReadError):
             counts["other"] += 1
             return
-        if r.status == 200 and orjson.loads(r.body)["data"][0]["meta"]["outcome"] == "evicted":
+        meta = orjson.loads(r.body)["data"][0]["meta"] if r.status == 200 else None
+        if meta is not None and meta["outcome"] == "evicted":
             counts["evicted"] += 1  # answered at once: the server saw it could not make slo_ms
-        elif r.status == 200:
+        elif meta is not None:
             counts["answered"] += 1
             latencies.append(time.perf_counter() - start_t - when)
+            computed.append((meta["shape"], meta["compute_ms"], meta["latency_ms"] - meta["queue_ms"]))
         elif r.status == 429:
             counts["429"] += 1
         else:
@@ -75,7 +82,45 @@ async def impatient(url: str, schedule: np.ndarray, texts: list[str], timeout_s:
         await asyncio.gather(*(one(i, float(t)) for i, t in enumerate(schedule)))
     finally:
         await pool.close()
-    return {**counts, "latencies": np.array(latencies)}
+    return {**counts, "latencies": np.array(latencies), "computed": computed}
+
+
+class _WithoutWithdraw:
+    """The policy as a server without the feature runs it: no ``withdraw`` (the ablation)."""
+
+    def __init__(self, policy):
+        self._policy = policy
+
+    def __getattr__(self, name):
+        if name == "withdraw":
+            raise AttributeError(name)
+        return getattr(self._policy, name)
+
+
+def simulated_goodput(args, schedule, lengths, cal_computed) -> tuple[dict[str, float], int]:
+    """The arms in the simulator: the server's policy, cost model and 2 instances, clients
+    leaving after ``args.timeout`` (``simulate(client_timeout=)``), batches priced from the
+    profile with the (slow-down, hand-off) pairs measured on the *withdraw* arm's answers
+    (``bench.fidelity.calibrate``): fitted on one arm, it predicts the other three. Returns
+    answers in time per second by arm, and how many batches the calibration had."""
+    from bench.fidelity import calibrate, empirical_service, grid_of
+    from jaxserve import traces
+    from jaxserve.profiler import load_cost_model
+    from jaxserve.sched.batching import DeadlineBatching
+    from jaxserve.simulator import simulate
+
+    cost = load_cost_model(f"{args.cache_dir}/cost_model.json")
+    grid = grid_of(cost, "minilm-l6")
+    cal = calibrate(cost, cal_computed)
+    out = {}
+    for name, withdraw, slo in (("withdraw", True, False), ("keep", False, False), ("slo", True, True)):
+        policy = DeadlineBatching({"minilm-l6": grid}, cost, max_queue=256, max_wait=0.0)
+        trace = traces.make_trace(schedule, model="minilm-l6", length=lengths,
+                                  slo_s=args.timeout if slo else float("inf"))
+        res = simulate(policy if withdraw else _WithoutWithdraw(policy), trace, cost, instances=2,
+                       service_time=empirical_service(cost, cal, args.seed + 7), client_timeout=args.timeout)
+        out[name] = res.outcome_counts()["ok"] / args.duration
+    return out, len(cal)
 
 
 def server_items(url: str, settle_s: float = 120.0) -> dict[str, float]:
@@ -107,7 +152,7 @@ def main():
     arms = {"withdraw": (shipped, False), "keep": ([sys.executable, "-c", ABLATION, *serve], False),
             "withdraw, clients send slo_ms": (shipped, True),
             f"withdraw, server --slo-ms {args.timeout * 1e3:g}": (server_slo, False)}
-    rows, goodput = [], {}
+    rows, goodput, answered_batches = [], {}, {}
     for name, (cmd, send_slo) in arms.items():
         print(f"{name}: starting the server", flush=True)
         server = start(cmd, url)
@@ -115,6 +160,7 @@ def main():
             print(f"{name}: {len(schedule)} requests at {args.rate:.0f}/s, clients leave after {args.timeout} s",
                   flush=True)
             res = asyncio.run(impatient(url, schedule, texts, args.timeout, send_slo))
+            answered_batches[name] = res["computed"]
             items = server_items(url)
         finally:
             stop(server)
@@ -129,6 +175,17 @@ def main():
         print(f"  {rows[-1]}", flush=True)
     body = table(["server", "sent", "answered in time /s", "p50 ms", "p98 ms", "clients gave up", "429",
                   "evicted", "other", "items computed", "withdrawn", "computed for nobody"], rows)
+    from jaxserve.models.tokenizer import TextTokenizer
+    from jaxserve.registry import minilm_dir
+
+    ids = TextTokenizer(minilm_dir() / "tokenizer.json").encode(texts)
+    lengths = [len(ids[i % len(texts)]) for i in range(len(schedule))]
+    sim, n_batches = simulated_goodput(args, schedule, lengths, answered_batches["withdraw"])
+    sim_of = dict(zip(arms, ("withdraw", "keep", "slo", "slo")))
+    sim_rows = [[name, f"{goodput[name]:.1f}", f"{sim[sim_of[name]]:.1f}",
+                 f"{(sim[sim_of[name]] - goodput[name]) / goodput[name] * 100:+.0f}%"] for name in arms]
+    body += "\n\nThe same arms in the simulator (`jaxserve.simulator`, clients leaving as live ones do):\n\n" + table(
+        ["server", "live answered in time /s", "simulated", "sim vs live"], sim_rows)
     keep = goodput["keep"] or float("nan")
     notes = (f"Offered {args.rate:.0f} requests/s (one text each) for {args.duration:.0f} s, Poisson, real "
              f"tweets; every client leaves after {args.timeout} s. Answers in time, ratio to keep: withdraw "
@@ -141,7 +198,15 @@ def main():
              f"patience, so many items start just before their client leaves and finish after. A client that "
              f"sends its timeout as slo_ms lets the policy evict (answered at once, `evicted`) what can no "
              f"longer finish in time instead; a client that does not (OpenAI's API has no such field) gets the "
-             f"same from the server's `--slo-ms`, the deadline of every request that carries none.")
+             f"same from the server's `--slo-ms`, the deadline of every request that carries none.  \n"
+             f"Simulated: the server's policy (default, max_wait 0, max_queue 256), cost model and 2 instances "
+             f"on the same arrivals and token lengths, each client leaving after {args.timeout} s "
+             f"(`simulate(client_timeout=)`: still queued -> `Policy.withdraw`, finished later -> abandoned); "
+             f"each batch priced profile x a (slow-down, hand-off) pair drawn from the withdraw arm's "
+             f"{n_batches} batches (of its batch size) behind its answers (`bench.fidelity.calibrate`). "
+             f"Fitted on the withdraw arm, it predicts the other three; both slo arms are one trace with "
+             f"deadline = patience to the simulator. Simulated ratio to keep: withdraw "
+             f"{sim['withdraw'] / sim['keep']:.1f}x, slo {sim['slo'] / sim['keep']:.1f}x.")
     print(body + "\n\n" + notes)
     if args.write:
         record("abandon", "Clients that give up: withdrawing their queued items (bench/abandon.py)", body, notes)

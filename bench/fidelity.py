@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,22 +48,67 @@ def simulated(cost, grid, arrivals, lengths, max_wait, noise: float = 0.0, overh
                     service_time=service_time)
 
 
-def empirical_service(cost, ratios: np.ndarray, handoffs: np.ndarray, sizes: np.ndarray, seed: int):
+@dataclass
+class Calibration:
+    """How the live server's batches differed from the idle-machine profile, one record per
+    batch (see ``calibrate``)."""
+
+    ratios: np.ndarray  # measured / profiled compute time
+    handoffs: np.ndarray  # seconds an instance stayed held beyond the compute
+    sizes: np.ndarray  # batch sizes
+    factor: float  # total measured over total profiled compute time
+
+    @property
+    def sigma(self) -> float:
+        return float(np.std(np.log(self.ratios)))
+
+    @property
+    def handoff(self) -> float:
+        return float(self.handoffs.mean())
+
+    def __len__(self) -> int:
+        return len(self.ratios)
+
+
+def calibrate(cost, computed, model: str = "minilm-l6") -> Calibration:
+    """From answers' (shape, compute ms, held ms) records, one per batch (every item of a
+    batch reports the same shape and compute ms; its held time, from two rounded fields,
+    can differ by a microsecond):
+
+    - factor: how much slower the executables ran while serving (HTTP path and load
+      generator on the same cores) than in the idle-machine profile;
+    - sigma: how much one batch's time varies around that (queueing grows with
+      service-time variance, which a deterministic profile leaves out);
+    - hand-off: how long an instance stays held beyond its compute (worker pick-up, the
+      completion waiting for the event loop), the simulator's batch_overhead."""
+    by_label = {c.label(): t for c, t in cost.latency[model].seconds.items()}
+    batches = {}
+    for shape, ms, held_ms in computed:
+        batches.setdefault((shape, ms), held_ms)
+    profiled = np.array([by_label[shape] for shape, _ in batches])
+    measured = np.array([ms for _, ms in batches]) / 1e3
+    held = np.array(list(batches.values())) / 1e3
+    return Calibration(measured / profiled, np.maximum(held - measured, 0.0),
+                       np.array([int(shape.split("_")[0][1:]) for shape, _ in batches]),
+                       float(measured.sum() / profiled.sum()))
+
+
+def empirical_service(cost, cal: Calibration, seed: int, model: str = "minilm-l6"):
     """Price a batch as profile(cell) x ratio + hand-off, one (ratio, hand-off) pair drawn
     at random from the calibration batches of the same batch size (all of them if there are
     fewer than 20): their tails as measured, not a fitted log-normal, and their link to
     congestion kept as far as batch size carries it (busy moments make bigger batches, and
     a busier event loop hands off later)."""
     rng = np.random.default_rng(seed)
-    profile = cost.latency["minilm-l6"]
-    every = np.arange(len(ratios))
-    by_size = {b: np.flatnonzero(sizes == b) for b in np.unique(sizes)}
+    profile = cost.latency[model]
+    every = np.arange(len(cal))
+    by_size = {b: np.flatnonzero(cal.sizes == b) for b in np.unique(cal.sizes)}
     by_size = {b: idx if len(idx) >= 20 else every for b, idx in by_size.items()}
 
     def service_time(batch):
         idx = by_size.get(batch.cell.batch, every)
         k = idx[rng.integers(len(idx))]
-        return profile.latency(batch.cell) * ratios[k] + handoffs[k]
+        return profile.latency(batch.cell) * cal.ratios[k] + cal.handoffs[k]
 
     return service_time
 
@@ -104,30 +150,11 @@ def main():
             util = simulated(cost, grid, arr, pool_len[pick], 0.0).utilization()
             lo, hi = (mid, hi) if util < args.load else (lo, mid)
         rate = lo
-        # Calibration, on a different trace (other seed, same rate), one record per batch
-        # (every item of a batch reports the same shape and compute ms; its held time, from
-        # two rounded fields, can differ by a microsecond):
-        # - factor: how much slower the executables run while serving (HTTP path and load
-        #   generator on the same cores) than in the idle-machine profile;
-        # - sigma: how much one batch's time varies around that (queueing grows with
-        #   service-time variance, which a deterministic profile leaves out);
-        # - hand-off: how long an instance stays held beyond its compute (worker pick-up,
-        #   the completion waiting for the event loop), the simulator's batch_overhead.
+        # Calibration (``calibrate``), on a different trace: other seed, same rate.
         cal_arr = traces.poisson_arrivals(rate, duration=args.calibrate, seed=args.seed + 100)
         cal_pick = np.random.default_rng(args.seed + 101).integers(0, len(pool), len(cal_arr))
-        cal = asyncio.run(open_loop(url, cal_arr, [pool[i] for i in cal_pick], None))
-        by_label = {c.label(): t for c, t in cost.latency["minilm-l6"].seconds.items()}
-        batches = {}
-        for shape, ms, held_ms in cal.computed:
-            batches.setdefault((shape, ms), held_ms)
-        profiled = np.array([by_label[shape] for shape, _ in batches])
-        measured = np.array([ms for _, ms in batches]) / 1e3
-        held = np.array(list(batches.values())) / 1e3
-        factor = float(measured.sum() / profiled.sum())
-        sigma = float(np.std(np.log(measured / profiled)))
-        handoffs = np.maximum(held - measured, 0.0)
-        handoff = float(handoffs.mean())
-        sizes = np.array([int(shape.split("_")[0][1:]) for shape, _ in batches])
+        cal = calibrate(cost, asyncio.run(open_loop(url, cal_arr, [pool[i] for i in cal_pick], None)).computed)
+        factor, sigma, handoff = cal.factor, cal.sigma, cal.handoff
         # Live and simulated, on args.repeats traces (seeds args.seed, +10, +20, ...), pooled: one
         # 30 s trace's live p98 moves by 10-25% from run to run on this machine.
         sims = {"idle": [], "cal": [], "hand": [], "emp": []}
@@ -140,7 +167,7 @@ def main():
             sims["hand"].append(simulated(cost.scaled(factor), grid, arr, lengths, 0.0, noise=sigma,
                                           overhead=handoff))
             sims["emp"].append(simulated(cost, grid, arr, lengths, 0.0, service_time=empirical_service(
-                cost, measured / profiled, handoffs, sizes, args.seed + 7 + k)))
+                cost, cal, args.seed + 7 + k)))
             live = asyncio.run(open_loop(url, arr, [pool[i] for i in pick], None))  # the same texts, in order
             server_ms.append(live.server_ms)
             client_ms.append(live.latencies * 1e3)
@@ -170,12 +197,12 @@ def main():
              f"executables share the 2 cores with the HTTP path and the load generator, which the idle-machine "
              f"profile does not see, and their times vary, which a deterministic profile leaves out.  \n"
              f"Hand-off: on the same calibration trace, the mean time an instance stayed held beyond its "
-             f"compute ({handoff * 1e3:.2f} ms per batch over {len(batches)} batches: the worker thread picking "
+             f"compute ({handoff * 1e3:.2f} ms per batch over {len(cal)} batches: the worker thread picking "
              f"the batch up and the completion waiting for the event loop, which is busy with HTTP), added to "
              f"every simulated batch (simulate(..., batch_overhead=)). Live server-side latency is the engine's "
              f"latency_ms: arrival stamp to answer, HTTP excluded.  \n"
              f"Empirical: each simulated batch priced profile(cell) x ratio + hand-off, with one (measured / "
-             f"profiled, hand-off) pair drawn at random from the {len(batches)} calibration batches of its batch "
+             f"profiled, hand-off) pair drawn at random from the {len(cal)} calibration batches of its batch "
              f"size, so the tails are the measured ones rather than a log-normal's.")
     print(text)
     print(notes)
