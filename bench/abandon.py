@@ -85,18 +85,6 @@ async def impatient(url: str, schedule: np.ndarray, texts: list[str], timeout_s:
     return {**counts, "latencies": np.array(latencies), "computed": computed}
 
 
-class _WithoutWithdraw:
-    """The policy as a server without the feature runs it: no ``withdraw`` (the ablation)."""
-
-    def __init__(self, policy):
-        self._policy = policy
-
-    def __getattr__(self, name):
-        if name == "withdraw":
-            raise AttributeError(name)
-        return getattr(self._policy, name)
-
-
 def simulated_goodput(args, schedule, lengths, cal_computed) -> tuple[dict[str, float], int]:
     """The arms in the simulator: the server's policy, cost model and 2 instances, clients
     leaving after ``args.timeout`` (``simulate(client_timeout=)``), batches priced from the
@@ -117,8 +105,8 @@ def simulated_goodput(args, schedule, lengths, cal_computed) -> tuple[dict[str, 
         policy = DeadlineBatching({"minilm-l6": grid}, cost, max_queue=256, max_wait=0.0)
         trace = traces.make_trace(schedule, model="minilm-l6", length=lengths,
                                   slo_s=args.timeout if slo else float("inf"))
-        res = simulate(policy if withdraw else _WithoutWithdraw(policy), trace, cost, instances=2,
-                       service_time=empirical_service(cost, cal, args.seed + 7), client_timeout=args.timeout)
+        res = simulate(policy, trace, cost, instances=2, service_time=empirical_service(cost, cal, args.seed + 7),
+                       client_timeout=args.timeout, withdraw_when_clients_leave=withdraw)
         out[name] = res.outcome_counts()["ok"] / args.duration
     return out, len(cal)
 

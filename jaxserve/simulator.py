@@ -198,6 +198,7 @@ def simulate(
     seed: int | np.random.Generator | None = 0,
     max_queue: float = math.inf,
     client_timeout: float = math.inf,
+    withdraw_when_clients_leave: bool = True,
 ) -> SimResult:
     """Run ``trace`` through ``policy`` on ``instances`` identical instances.
 
@@ -214,6 +215,8 @@ def simulate(
         seed: for the noise.
         max_queue: admission bound used only if the policy has no ``admits(model)``.
         client_timeout: seconds after which each client leaves (module docstring).
+        withdraw_when_clients_leave: False simulates a server that keeps a departed
+            client's queued items (as if the policy had no ``withdraw``): the ablation.
     """
     if instances < 1:
         raise ValueError("need at least one instance")
@@ -260,7 +263,7 @@ def simulate(
     on_completion = policy.on_completion
     plan_fn = policy.plan
     queue_depth = policy.queue_depth
-    withdraw = getattr(policy, "withdraw", None)
+    withdraw = getattr(policy, "withdraw", None) if withdraw_when_clients_leave else None
 
     idle = list(range(instances))
     busy = [False] * instances

@@ -78,6 +78,9 @@ def test_impatient_clients_hand_computed():
                     TINY_COST, instances=1, client_timeout=1.2)
     assert [OUTCOMES[o] for o in kept.outcome] == ["ok", "abandoned", "abandoned", "abandoned", "abandoned"]
     assert kept.finish.tolist() == [1.0, 2.5, 2.5, 4.0, 4.0]
+    ablation = simulate(DeadlineBatching(TINY_GRID, TINY_COST, max_queue=10, max_wait=0.0), trace, TINY_COST,
+                        instances=1, client_timeout=1.2, withdraw_when_clients_leave=False)
+    assert ablation.finish.tolist() == kept.finish.tolist() and (ablation.outcome == kept.outcome).all()
     # patience without limit is the plain run
     plain = simulate(DeadlineBatching(TINY_GRID, TINY_COST, max_queue=10, max_wait=0.0), trace, TINY_COST,
                      instances=1)
