@@ -16,6 +16,8 @@ body over ``max_body_bytes``                413
 body not complete ``body_timeout_s`` after  408 (connection closed; slow headers:
 its headers                                 serving.server.timed_protocol)
 no or wrong API key (with ``api_key``)      401 + WWW-Authenticate
+/admin/reload whose files do not fit the    409 (nothing changes)
+executables, or under an OTAS policy
 unknown model or task                       404
 no such route / method                      404 / 405 (with Allow)
 more inputs than ``max_queue`` can hold     413
