@@ -143,6 +143,9 @@ def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | Non
     grid = grid or ShapeGrid(DEFAULT_IMAGE_BATCHES)
     compiled_for: dict = {}  # the repository shape the executables are compiled for, once they are
 
+    def shape_of(repo) -> dict:  # what of a repository is part of the image executables' shapes
+        return {"prompt mode": repo.prompt_mode, "head width (widest task's classes)": repo.num_classes}
+
     def read_assets():
         """The repository, its heads and accuracy profile, checked against the grid (every
         task has prompts for every gamma) and, once compiled, against the executables: the
@@ -155,8 +158,7 @@ def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | Non
         if missing:
             raise ValueError(f"the prompt repository {prompts_dir} lacks {missing} for gammas {grid.gammas}; "
                              "run `jaxserve train-prompts` or serve other gammas")
-        shape = {"prompt mode": repo.prompt_mode, "head width (widest task's classes)": repo.num_classes}
-        for what, value in shape.items():
+        for what, value in shape_of(repo).items():
             if compiled_for and compiled_for[what] != value:
                 raise ValueError(f"{prompts_dir}: its {what} is {value!r}, the executables' is "
                                  f"{compiled_for[what]!r}; warm and restart to serve it")
@@ -175,7 +177,7 @@ def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | Non
     heads, repo, accuracy = read_assets()
     table = PolymorphTable(vit_servable(name, cfg, grid, repo.prompt_mode, repo.num_classes, precision), cache)
     table.warmup(progress=progress, stop=stop)
-    compiled_for.update({"prompt mode": repo.prompt_mode, "head width (widest task's classes)": repo.num_classes})
+    compiled_for.update(shape_of(repo))
     norm = meta.get("normalisation", {"mean": 0.0, "std": 1.0})
     return ModelRuntime(name, table, weights_of(model, precision), heads, None,
                         (cfg.image_size, cfg.image_size, cfg.num_channels), float(norm["mean"]), float(norm["std"]),
