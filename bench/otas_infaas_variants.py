@@ -57,7 +57,8 @@ def build(name: str, cfg, ckpt_root: Path, epochs: int, cache, log=print):
     from jaxserve.sched.base import ShapeGrid
     from jaxserve.servables import vit_servable, weights_of
     from training.train_prompts import PromptSettings, train_repository
-    from training.train_vit_digits import load_checkpoint, train
+    from jaxserve.models.vit import load_vit_checkpoint
+    from training.train_vit_digits import train
 
     if name == "vit-demo":
         ckpt = vit_demo_dir()
@@ -69,7 +70,7 @@ def build(name: str, cfg, ckpt_root: Path, epochs: int, cache, log=print):
             train(name, ckpt, epochs=epochs, progress=False)
     meta = json.loads((ckpt / "meta.json").read_text())
     norm = meta["normalisation"]
-    _, model = load_checkpoint(ckpt)
+    _, model = load_vit_checkpoint(ckpt)
     shape = (cfg.image_size, cfg.image_size, cfg.num_channels)
     splits = {t: (digit_task_split(t, "train", shape), digit_task_split(t, "profile", shape), DIGIT_TASKS[t].labels)
               for t in DIGIT_TASKS if t != "digits"}

@@ -130,15 +130,15 @@ def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | Non
     a trained repository the backbone's own head serves ``digits`` at gamma <= 0 only. A grid
     with a gamma some task has no prompts for is refused at load, not at request time.
     """
+    from jaxserve.models.vit import load_vit_checkpoint
     from jaxserve.polymorph import PolymorphTable
     from jaxserve.prompts import PromptRepository, backbone_repository, load_accuracy_profile
     from jaxserve.runtime import ModelRuntime, TaskHead
     from jaxserve.servables import vit_servable, weights_of
-    from training.train_vit_digits import load_checkpoint
 
     path = vit_demo_dir()
     meta = json.loads((path / "meta.json").read_text())
-    cfg, model = load_checkpoint(path)
+    cfg, model = load_vit_checkpoint(path)
     prompts_dir = Path(prompts_dir) if prompts_dir is not None else vit_demo_prompts_dir()
     grid = grid or ShapeGrid(DEFAULT_IMAGE_BATCHES)
     compiled_for: dict = {}  # the repository shape the executables are compiled for, once they are

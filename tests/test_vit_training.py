@@ -4,9 +4,9 @@ import json
 
 import numpy as np
 
-from jaxserve.models.vit import VIT_CONFIGS
+from jaxserve.models.vit import VIT_CONFIGS, load_vit_checkpoint
 from training.data import prepare_digits
-from training.train_vit_digits import evaluate, load_checkpoint, train
+from training.train_vit_digits import evaluate, train
 
 
 def test_digits_split_is_fixed_and_stratified():
@@ -22,9 +22,26 @@ def test_training_smoke_and_checkpoint_round_trip(tmp_path):
     metrics = train("vit-tiny-test", tmp_path / "ckpt", epochs=2, seed=0, progress=False)
     losses = metrics["epoch_losses"]
     assert len(losses) == 2 and losses[1] < losses[0]
-    config, model = load_checkpoint(tmp_path / "ckpt")
+    config, model = load_vit_checkpoint(tmp_path / "ckpt")
     assert config == VIT_CONFIGS["vit-tiny-test"]
     test = prepare_digits((config.image_size, config.image_size, config.num_channels)).test
     assert evaluate(model, test.images, test.labels) == metrics["test_accuracy"]
     meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
     assert meta["config_name"] == "vit-tiny-test" and set(meta["normalisation"]) == {"mean", "std"}
+
+
+def test_serving_loads_the_demo_vit_without_the_training_stack(monkeypatch):
+    """A serving host needs no training data pipeline: the image runtime loads the shipped
+    checkpoint with grain unimportable and the training modules unloaded (it used to import
+    the training script, and through it grain, just to read the checkpoint)."""
+    import sys
+
+    from jaxserve.registry import load_image_runtime
+    from jaxserve.sched.base import ShapeGrid
+
+    monkeypatch.setitem(sys.modules, "grain", None)  # `import grain` now raises ImportError
+    for name in [m for m in sys.modules if m == "training" or m.startswith("training.")]:
+        monkeypatch.delitem(sys.modules, name)
+    rt = load_image_runtime(grid=ShapeGrid((1,)))
+    assert sorted(rt.heads) == ["digits", "inverted", "parity"]
+    assert not any(m.startswith("training") for m in sys.modules)

@@ -223,11 +223,11 @@ def train_demo(out_dir: str | Path, tasks: Sequence[str] = tuple(DIGIT_TASKS), p
                profile: bool = True, progress: bool = True, cache_dir: str | None = None) -> dict:
     """Train the demo ViT's repository on the digits tasks, save it, and profile accuracy."""
     from jaxserve.registry import OTAS_GAMMAS, vit_demo_dir
-    from training.train_vit_digits import load_checkpoint
+    from jaxserve.models.vit import load_vit_checkpoint
 
     ckpt = vit_demo_dir()
     meta = json.loads((ckpt / "meta.json").read_text())
-    config, model = load_checkpoint(ckpt)
+    config, model = load_vit_checkpoint(ckpt)
     shape = (config.image_size, config.image_size, config.num_channels)
     splits = {}
     for t in tasks:

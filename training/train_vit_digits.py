@@ -4,7 +4,9 @@
 
 The checkpoint directory holds `state/` (orbax, the model's nnx.Param state: weights only, no optimizer
 state, since serving never resumes training) and `meta.json` (config name and fields, held-out accuracy,
-training settings, and the pixel normalisation serving must apply to [0, 1] images). `load_checkpoint(dir)` rebuilds the model from both.
+training settings, and the pixel normalisation serving must apply to [0, 1] images).
+`jaxserve.models.vit.load_vit_checkpoint(dir)` rebuilds the model from both (serving needs it
+without this script's training stack).
 """
 
 from __future__ import annotations
@@ -139,17 +141,6 @@ def save_checkpoint(out_dir, config_name: str, config: ViTConfig, params: nnx.St
         checkpointer.save(out / "state", params, force=True)
     meta = {"config_name": config_name, "config": asdict(config), "config_key": config.key(), **meta}
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-
-
-def load_checkpoint(checkpoint_dir) -> tuple[ViTConfig, ViT]:
-    """(config, model) from a directory written by `train`; the config comes from meta.json's fields."""
-    path = Path(checkpoint_dir).absolute()
-    meta = json.loads((path / "meta.json").read_text())
-    config = ViTConfig(**meta["config"])
-    graphdef, abstract_state = abstract_vit(config)
-    with ocp.StandardCheckpointer() as checkpointer:
-        state = checkpointer.restore(path / "state", abstract_state)
-    return config, nnx.merge(graphdef, state)
 
 
 def main() -> None:

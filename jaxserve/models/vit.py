@@ -277,6 +277,24 @@ def abstract_vit(config: ViTConfig) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(nnx.eval_shape(lambda: ViT(config, rngs=nnx.Rngs(0))))
 
 
+def load_vit_checkpoint(checkpoint_dir) -> tuple[ViTConfig, ViT]:
+    """(config, model) from a directory written by ``training/train_vit_digits.py``: orbax
+    ``state/`` (the nnx.Param state) and ``meta.json`` (the config's fields, among others).
+    Here, not in the training script, so that serving loads a checkpoint without importing
+    the training data pipeline (grain)."""
+    from pathlib import Path
+
+    import orbax.checkpoint as ocp
+
+    path = Path(checkpoint_dir).absolute()
+    meta = json.loads((path / "meta.json").read_text())
+    config = ViTConfig(**meta["config"])
+    graphdef, abstract_state = abstract_vit(config)
+    with ocp.StandardCheckpointer() as checkpointer:
+        state = checkpointer.restore(path / "state", abstract_state)
+    return config, nnx.merge(graphdef, state)
+
+
 def token_counts(
     config: ViTConfig, merge_r: tuple[int, ...] = (), num_prompts: int = 0, prompt_mode: str = "replace"
 ) -> tuple[int, ...]:
