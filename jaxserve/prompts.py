@@ -265,15 +265,14 @@ class PromptRepository:
     @classmethod
     def load(cls, directory: str | Path, config_key: Optional[str] = None) -> "PromptRepository":
         """Read a repository; with ``config_key`` refuse one trained on another backbone."""
-        import orbax.checkpoint as ocp
+        from jaxserve.orbax_io import restore_here
 
         path = Path(directory).absolute()
         meta = json.loads((path / "repository.json").read_text())
         if config_key is not None and meta["config_key"] != config_key:
             raise ValueError(f"{path} was trained on another backbone (config key {meta['config_key'][:12]}..., "
                              f"expected {config_key[:12]}...)")
-        with ocp.StandardCheckpointer() as checkpointer:
-            tree = checkpointer.restore(path / "state")
+        tree = restore_here(path / "state")
         extra = {k: v for k, v in meta.items()
                  if k not in ("config_key", "num_layers", "hidden_size", "prompt_mode", "labels", "entries")}
         repo = cls(meta["config_key"], meta["num_layers"], meta["hidden_size"], meta["prompt_mode"], meta=extra)

@@ -284,15 +284,13 @@ def load_vit_checkpoint(checkpoint_dir) -> tuple[ViTConfig, ViT]:
     the training data pipeline (grain)."""
     from pathlib import Path
 
-    import orbax.checkpoint as ocp
+    from jaxserve.orbax_io import restore_here
 
     path = Path(checkpoint_dir).absolute()
     meta = json.loads((path / "meta.json").read_text())
     config = ViTConfig(**meta["config"])
     graphdef, abstract_state = abstract_vit(config)
-    with ocp.StandardCheckpointer() as checkpointer:
-        state = checkpointer.restore(path / "state", abstract_state)
-    return config, nnx.merge(graphdef, state)
+    return config, nnx.merge(graphdef, restore_here(path / "state", abstract_state))
 
 
 def token_counts(
