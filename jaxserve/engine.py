@@ -152,6 +152,10 @@ class Engine:
     def queue_depth(self) -> int:
         return len(self._queued)
 
+    def queue_depth_by_model(self) -> Counter:
+        """Items queued per model (O(queued items): read at scrape time, not kept up to date)."""
+        return Counter(p.item.model for p in self._queued.values())
+
     @property
     def draining(self) -> bool:
         """True once :meth:`drain` has begun: nothing new is admitted."""

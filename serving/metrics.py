@@ -43,6 +43,12 @@ class _EngineCollector:
         g = GaugeMetricFamily("jaxserve_queue_depth", "items queued, not yet running")
         g.add_metric([], eng.queue_depth)
         yield g
+        g = GaugeMetricFamily("jaxserve_model_queue_depth", "items queued, not yet running, per model (every "
+                              "served model, 0 included)", labels=["model"])
+        by_model = eng.queue_depth_by_model()
+        for model in eng.runtimes:
+            g.add_metric([model], by_model.get(model, 0))
+        yield g
         g = GaugeMetricFamily("jaxserve_in_flight", "items queued or running")
         g.add_metric([], eng.in_flight)
         yield g

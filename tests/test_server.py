@@ -375,9 +375,11 @@ def test_a_client_that_leaves_gets_its_queued_items_withdrawn(tmp_path):
         sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
                      b"content-length: %d\r\n\r\n%s" % (len(body), body))
         assert _until(lambda: _series(srv.url, "jaxserve_queue_depth") == 1.0)
+        assert _series(srv.url, 'jaxserve_model_queue_depth{model="minilm-l6"}') == 1.0
         sock.close()
         assert _until(lambda: _series(srv.url, 'jaxserve_items{outcome="withdrawn"}') == 1.0)
         assert _series(srv.url, "jaxserve_queue_depth") == 0.0
+        assert _series(srv.url, 'jaxserve_model_queue_depth{model="minilm-l6"}') == 0.0
         assert _series(srv.url, 'jaxserve_requests_total{path="/v1/embeddings",status="499"}') == 1.0
         assert _series(srv.url, 'jaxserve_items{outcome="ok"}') is None  # it never ran
 
