@@ -497,7 +497,7 @@ def test_https_with_the_servers_certificate(tmp_path):
     certificate gets the usual answers (the slow-client deadline still applies under TLS),
     a plain-HTTP request gets no answer, and a client that does not trust it refuses."""
     settings = ServeSettings(models=("minilm-l6",), cache_dir=str(tmp_path / "cache"), progress=False,
-                             header_timeout_s=2.0, text_grid=ShapeGrid(batch_sizes=(1,), seq_buckets=(16,)),
+                             header_timeout_s=4.0, text_grid=ShapeGrid(batch_sizes=(1,), seq_buckets=(16,)),
                              ssl_certfile=str(FIXTURES / "tls-test-cert.pem"),
                              ssl_keyfile=str(FIXTURES / "tls-test-key.pem"))
     with LiveServer(settings) as srv:
