@@ -203,13 +203,12 @@ class Guard:
             rid = uuid.uuid4().hex.encode()
         send = _with_header(send, (b"x-request-id", rid))
         if self.api_key is not None and scope["path"] not in self.OPEN_PATHS and not self._authorized(headers):
-            self.metrics.request_done(_path_label(scope, self.routes), 401)
-            return await self._answer(send, _error(
+            return await self._refuse(scope, send, _error(
                 401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'", "authorization",
                 {"www-authenticate": "Bearer"}))
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._answer(send, self._too_large(scope))
+            return await self._refuse(scope, send, self._too_large().response())
         seen, started, body_done = 0, False, False
         deadline = asyncio.get_running_loop().time() + self.body_timeout_s
 
@@ -228,7 +227,7 @@ class Guard:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    raise _BodyRefused(413, self._limit_message())
+                    raise self._too_large()
                 body_done = not message.get("more_body", False)
             else:
                 body_done = True
@@ -244,8 +243,7 @@ class Guard:
         except _BodyRefused as exc:  # raised outside a route's body parsing (the route handler maps it otherwise)
             if started:
                 raise
-            self.metrics.request_done(_path_label(scope, self.routes), exc.status_code)
-            await self._answer(send, exc.response())
+            await self._refuse(scope, send, exc.response())
         except Exception as exc:
             if started:  # half an answer is out: nothing sound is left to send
                 raise
@@ -258,12 +256,13 @@ class Guard:
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
 
-    def _limit_message(self) -> str:
-        return f"request body exceeds the limit of {self.limit} bytes"
+    def _too_large(self) -> "_BodyRefused":
+        return _BodyRefused(413, f"request body exceeds the limit of {self.limit} bytes")
 
-    def _too_large(self, scope) -> JSONResponse:
-        self.metrics.request_done(_path_label(scope, self.routes), 413)
-        return _error(413, self._limit_message(), "body")
+    async def _refuse(self, scope, send, resp: JSONResponse) -> None:
+        """Answer in place of the app, counted under the request's route."""
+        self.metrics.request_done(_path_label(scope, self.routes), resp.status_code)
+        await self._answer(send, resp)
 
     @staticmethod
     async def _answer(send, resp: JSONResponse):
