@@ -123,10 +123,13 @@ class ModelRuntime:
     def grid(self) -> ShapeGrid:
         return self.table.servable.grid
 
-    @property
-    def default_task(self) -> str:
-        """The task an image item without one is served as (the first registered)."""
-        return next(iter(self.heads), "")
+    @staticmethod
+    def _tasks_or_default(tasks: Sequence[str], prompts: Any) -> list[str]:
+        """With a prompt repository, an item without a task is served as its first task."""
+        if prompts is None:
+            return list(tasks)
+        default = next(iter(prompts.labels), "")
+        return [t or default for t in tasks]
 
     def prepare_inputs(self, cell: Cell, payloads: Sequence[Any], tasks: Sequence[str], prompts: Any = None) -> tuple:
         """The executable's inputs after the weights, for ``payloads`` padded into ``cell``
@@ -139,20 +142,17 @@ class ModelRuntime:
         if prompts is None:
             raise ValueError(f"{self.name}: image executables take per-sample heads; give the runtime a prompt "
                              "repository (jaxserve.prompts.backbone_repository serves the backbone's own head)")
-        default = next(iter(prompts.labels), "")
-        tasks = [t or default for t in tasks]
-        return (pixels, *prompts.gather(tasks, cell.gamma, cell.batch))
+        return (pixels, *prompts.gather(self._tasks_or_default(tasks, prompts), cell.gamma, cell.batch))
 
     def execute(self, cell: Cell, payloads: Sequence[Any], tasks: Sequence[str]) -> BatchOutput:
         t0 = time.perf_counter()
         heads, prompts = self._assets()  # one consistent set for the whole batch (swap_assets)
+        tasks = self._tasks_or_default(tasks, prompts)
         inputs = self.prepare_inputs(cell, payloads, tasks, prompts)
         outputs = unpad_rows(self.table.run(cell, self.weights, *inputs), len(payloads))
         items = []
         for i, task in enumerate(tasks):
             item = {k: v[i] for k, v in outputs.items()}
-            if not task and prompts is not None:
-                task = next(iter(heads), "")
             if task:
                 head = heads[task]
                 probs = head.probabilities(item[head.feature][None])[0]
