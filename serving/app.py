@@ -29,7 +29,8 @@ the client left before its answer (its      499 in the metrics and log (nobody
 queued items are withdrawn, never run)      is left to read it)
 =========================================  ======
 
-Every error, whatever raised it, is JSON ``{"error": {"status", "message", "field"}}``.
+Every error, whatever raised it, is JSON ``{"error": {"status", "message", "field", "type", "param",
+"code"}}`` (the last three as OpenAI's API writes them; see ``_error``).
 """
 
 from __future__ import annotations
@@ -104,11 +105,26 @@ async def _client_gone(receive) -> None:
         await asyncio.sleep(0.05)
 
 
+# OpenAI's error ``type`` per status, so its clients fill ``APIError.type``/``.param``/``.code``
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
+def error_body(status: int, message: str, field: str | None = None) -> dict:
+    """The one error body: ours (``status``, ``message``, ``field``) and OpenAI's (``message``,
+    ``type``, ``param``, ``code``) in the same object, so OpenAI's clients read the field that
+    was wrong as ``err.param``; ``code`` is the status as a string (OpenAI sends short names;
+    the status is what we have that a client can switch on)."""
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    printable = _printable(field) if field else None
+    body = {"error": {"status": status, "message": _printable(message), "type": kind, "param": printable,
+                      "code": str(status)}}
+    if printable:
+        body["error"]["field"] = printable
+    return body
+
+
 def _error(status: int, message: str, field: str | None = None, headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"status": status, "message": _printable(message)}}
-    if field:
-        body["error"]["field"] = _printable(field)
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, field), status_code=status, headers=headers)
 
 
 def _printable(text: str) -> str:

@@ -27,7 +27,7 @@ from jaxserve.profiler import load_cost_model, machine_description, profile_tabl
 from jaxserve.runtime import ModelRuntime
 from jaxserve.sched import IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES
 from jaxserve.sched.base import Cell, CostModel
-from serving.app import ServerState, create_app
+from serving.app import ServerState, create_app, error_body
 
 log = logging.getLogger("jaxserve.server")
 
@@ -407,8 +407,8 @@ def timed_protocol(header_timeout_s: float, on_timeout: Callable[[str], None] | 
             if on_timeout is not None:
                 on_timeout(phase)
             if phase == "headers":
-                body = json.dumps({"error": {"status": 408, "message": f"request headers not received within "
-                                             f"{header_timeout_s:g} s", "field": "headers"}}).encode()
+                body = json.dumps(error_body(408, f"request headers not received within {header_timeout_s:g} s",
+                                             "headers")).encode()
                 self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
                                      b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
             self.transport.close()

@@ -120,8 +120,9 @@ def test_openai_python_client_gets_the_reference_vectors(server, client):
     with pytest.raises(openai.NotFoundError, match="unknown model 'gpt-4'"):
         oc.models.retrieve("gpt-4")
     assert oc.embeddings.create(model="minilm-l6", input="x", dimensions=384, user="u1").data[0].embedding
-    with pytest.raises(openai.UnprocessableEntityError, match="exactly 384"):
+    with pytest.raises(openai.UnprocessableEntityError, match="exactly 384") as refused:
         oc.embeddings.create(model="minilm-l6", input="x", dimensions=128)
+    assert (refused.value.param, refused.value.type) == ("dimensions", "invalid_request_error")
     # a deadline travels in extra_body (OpenAI's API has no such field): one no batch can meet is evicted
     late = oc.embeddings.create(model="minilm-l6", input="x", encoding_format="float", extra_body={"slo_ms": 0.001})
     assert late.data[0].embedding is None and late.data[0].meta["outcome"] == "evicted"
@@ -204,6 +205,8 @@ def test_errors_name_the_field_in_one_format(client):
         err = r.json()["error"]
         assert err["status"] == status and needle in err["message"], r.text
         assert err.get("field") == field, r.text
+        # OpenAI's fields, which its clients read into APIError.type / .param / .code
+        assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", field, str(status)), r.text
     assert "POST" in cases[-2][0].headers["allow"]
     for model in ("no-such-model-1", "no-such-model-2"):  # made-up ids share their route's label
         assert client.get(f"/v1/models/{model}").status_code == 404
@@ -336,6 +339,7 @@ def test_every_request_gets_exactly_one_answer_under_overload(server):
     # whole seconds (>= 1) for HTTP, and the estimate itself in ms, which rounds up to them
     assert all(int(s) >= 1 and int(ms) >= 1 and int(s) == max(1, -(-int(ms) // 1000))
                for c, (s, ms), _ in results if c == 429)
+    assert all(b["error"]["type"] == "rate_limit_error" for c, _, b in results if c == 429)
     outcomes = [d["meta"]["outcome"] for c, _, b in results if c == 200 for d in b["data"]]
     assert len(outcomes) == 4 * codes.count(200)
     assert set(outcomes) <= {"ok", "late", "evicted"}
@@ -444,7 +448,7 @@ def test_slow_clients_are_cut_off_and_counted(server, client):
         stop.set()
     assert late_headers.startswith(b"HTTP/1.1 408"), late_headers
     error = json.loads(late_headers.split(b"\r\n\r\n", 1)[1])["error"]
-    assert error["field"] == "headers" and "within 5 s" in error["message"]
+    assert error["field"] == error["param"] == "headers" and "within 5 s" in error["message"]
     assert late_body.startswith(b"HTTP/1.1 408"), late_body
     error = json.loads(late_body.split(b"\r\n\r\n", 1)[1])["error"]
     assert error["field"] == "body" and "within 5 s" in error["message"]
@@ -486,8 +490,9 @@ def test_an_api_key_guards_every_route_but_probes_metrics_and_docs(tmp_path):
         assert c.get("/no/such/route", headers=good).status_code == 404
         oc = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
         assert len(oc.embeddings.create(model="minilm-l6", input="hi", encoding_format="float").data[0].embedding) == 384
-        with pytest.raises(openai.AuthenticationError, match="API key"):
+        with pytest.raises(openai.AuthenticationError, match="API key") as denied:
             openai.OpenAI(base_url=srv.url + "/v1", api_key="not-the-key", max_retries=0).models.list()
+        assert denied.value.type == "authentication_error"
         assert _series(srv.url, 'jaxserve_requests_total{path="/v1/embeddings",status="401"}') == 5.0
         assert _series(srv.url, 'jaxserve_requests_total{path="/v1/models",status="401"}') == 2.0
 
