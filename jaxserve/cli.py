@@ -334,38 +334,48 @@ def _tweet_lengths():
 
 
 def cmd_demo(args) -> int:
-    """Embed and classify a few real sentences and digit images through the warmed tables."""
+    """Embed and classify a few real sentences and digit images through the warmed tables
+    (the grid and assets that ``warmup`` with the same flags filled; exit 1 if serving them
+    compiled anything or the digits were mostly misread)."""
     import numpy as np
 
     from jaxserve.compile_cache import CompileCache, compile_count
     from serving.server import ServeSettings, load_runtimes
 
     cache = CompileCache(args.cache_dir)
-    runtimes = load_runtimes(ServeSettings(models=MODELS, cache_dir=args.cache_dir), cache)
-    image = runtimes.get("vit-demo")
+    settings = ServeSettings(models=_models(args), cache_dir=args.cache_dir, precision=args.precision,
+                             **_served(args))
+    runtimes = load_runtimes(settings, cache)
+    before = compile_count()
+    text, image = runtimes.get("minilm-l6"), runtimes.get("vit-demo")
+    if text is not None:
+        sentences = ["I'd never trust a self-driving car to take my kid to school.",
+                     "Autonomous cars will make our roads so much safer, can't wait!",
+                     "Google is testing driverless cars in Mountain View."]
+        task = "sentiment" if "sentiment" in text.heads else next(iter(text.heads), "")
+        items, cells = [], []
+        for at in range(0, len(sentences), text.grid.max_batch):
+            ids = text.tokenizer.encode(sentences[at:at + text.grid.max_batch])
+            cells.append(text.grid.cell_for(len(ids), max(map(len, ids))))
+            items += text.execute(cells[-1], ids, [task] * len(ids)).items
+        emb = np.stack([o["embedding"] for o in items])
+        print(f"text cells {' '.join(c.label() for c in cells)}  cosine(0,1)={emb[0] @ emb[1]:.3f}  "
+              f"cosine(0,2)={emb[0] @ emb[2]:.3f}")
+        for s, o in zip(sentences, items):
+            print(f"  {o.get('label', '-'):>8}  {s}")
+    right = total = 0
     if image is not None:
         from jaxserve.datasets import digits_examples
 
-        images, labels = digits_examples(image.image_shape, count=8)
-    before = compile_count()
-    text = runtimes["minilm-l6"]
-    sentences = ["I'd never trust a self-driving car to take my kid to school.",
-                 "Autonomous cars will make our roads so much safer, can't wait!",
-                 "Google is testing driverless cars in Mountain View."]
-    ids = text.tokenizer.encode(sentences)
-    cell = text.grid.cell_for(len(ids), max(map(len, ids)))
-    out = text.execute(cell, ids, ["sentiment"] * len(ids) if "sentiment" in text.heads else [""] * len(ids))
-    emb = np.stack([o["embedding"] for o in out.items])
-    print(f"text cell {cell.label()}  cosine(0,1)={emb[0] @ emb[1]:.3f}  cosine(0,2)={emb[0] @ emb[2]:.3f}")
-    for s, o in zip(sentences, out.items):
-        print(f"  {o.get('label', '-'):>8}  {s}")
-    if image is not None:
+        images, labels = digits_examples(image.image_shape, count=min(8, image.grid.max_batch))
         cell = image.grid.cell_for(len(images))
         out = image.execute(cell, list(images), ["digits"] * len(images))
         preds = [o["label"] for o in out.items]
-        print(f"image cell {cell.label()}  predicted {preds}  true {[str(x) for x in labels]}")
-    print(f"compilations while serving the demo: {compile_count() - before}")
-    return 0
+        right, total = sum(p == str(y) for p, y in zip(preds, labels)), len(labels)
+        print(f"image cell {cell.label()}  predicted {preds}  true {[str(x) for x in labels]}  ({right}/{total})")
+    compiled = compile_count() - before
+    print(f"compilations while serving the demo: {compiled}")
+    return 1 if compiled or 2 * right < total else 0
 
 
 def train_prompts_arguments(parser: argparse.ArgumentParser) -> None:
@@ -510,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.set_defaults(fn=cmd_simulate)
 
     sp = sub.add_parser("demo", help="embed and classify a few real sentences and digits")
-    sp.add_argument("--cache-dir", type=_cache_dir, default="compiled_cache")
+    common(sp)
+    served(sp)
     sp.set_defaults(fn=cmd_demo)
 
     args = p.parse_args(argv)

@@ -30,6 +30,12 @@ def test_warmup_writes_manifest_then_loads_serialized(tmp_path):
     assert "pruned 1 stale entries of vit-demo" in second.stdout
     assert not (cache / "executables" / "stale.bin").exists()
     assert len(list((cache / "executables").glob("*.bin"))) == 6
+    # the demo runs real digits through exactly those executables
+    demo = run("demo", "--model", "vit-demo", "--cache-dir", str(cache))
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    right, total = map(int, demo.stdout.split("(")[-1].split(")")[0].split("/"))
+    assert total == 8 and right >= 6, demo.stdout
+    assert "compilations while serving the demo: 0" in demo.stdout
 
 
 def test_warmup_takes_the_server_s_grid_flags_so_serve_loads_every_cell(tmp_path):
@@ -84,6 +90,13 @@ def test_warmup_takes_the_server_s_grid_flags_so_serve_loads_every_cell(tmp_path
     finally:
         proc.terminate()
         proc.wait(60)
+    # the demo takes the same flags: three sentences over that grid's batches of at most 2
+    demo = run("demo", *flags)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "text cells b2_s32_g0 b1_s16_g0" in demo.stdout
+    labels = [line.split()[0] for line in demo.stdout.splitlines() if line.startswith("  ")]
+    assert len(labels) == 3 and set(labels) <= {"negative", "neutral", "positive"}, demo.stdout
+    assert "compilations while serving the demo: 0" in demo.stdout
 
 
 def test_a_users_own_trained_prompts_and_heads_are_warmed_and_served(tmp_path):
