@@ -23,6 +23,7 @@ from jaxserve.sched.arlo import (
     allocation_problem,
     demand_per_window,
     replacement_plan,
+    solve_allocation,
     solve_allocation_dp,
     solve_allocation_milp,
 )
@@ -91,6 +92,22 @@ def test_dp_and_milp_agree_on_random_larger_instances():
         dp, milp = solve_allocation_dp(p), solve_allocation_milp(p)
         assert dp.objective == pytest.approx(milp.objective, rel=1e-7)
         assert allocation_objective(p, dp.counts) == pytest.approx(dp.objective)
+
+
+def test_milp_out_of_time_still_answers_with_a_valid_allocation():
+    """HiGHS stopped by its time limit: the allocation it holds (or the DP's) comes back, marked
+    as such, instead of an exception escaping into the request that made the solve due."""
+    rng = random.Random(7)
+    n, g = 10, 600
+    m = tuple(rng.randint(2, 30) for _ in range(n))
+    q = tuple(int(rng.expovariate(1.0) * g * m[i] / n) for i in range(n))
+    p = AllocationProblem(q, m, g, tuple(random_curve(rng, 0.002 * (i + 1)) for i in range(n)))
+    hurried = solve_allocation(p, "milp", time_limit=0.01)
+    assert "time limit" in hurried.solver
+    lb, _ = p.lower_bounds()
+    assert sum(hurried.counts) == g and all(c >= b for c, b in zip(hurried.counts, lb))
+    assert hurried.objective == pytest.approx(allocation_objective(p, hurried.counts))
+    assert hurried.objective >= solve_allocation_dp(p).objective * (1 - 1e-9)
 
 
 def test_hand_computed_allocation_prefers_spreading_the_longer_runtime():
@@ -167,6 +184,14 @@ def test_latency_curve_follows_the_profile_and_gives_capacity():
     assert curve(8) == pytest.approx(prof.latency_for(8, 64))  # drain in full batches
     assert curve.capacity(0.100) == 20  # 0.020 * 20 / 4 = 0.100
     assert LatencyCurve(prof, 64, max_batch=1)(3) == pytest.approx(0.030)
+    # no batch-1 cell: one request per run, padded into the batch-2 executable
+    no_ones = LatencyProfile("m", {Cell(2, 64): 0.012, Cell(4, 64): 0.020})
+    assert LatencyCurve(no_ones, 64, max_batch=1)(3) == pytest.approx(0.036)
+    assert LatencyCurve(no_ones, 64, max_batch=1).capacity(0.1) == 8
+    # an SLO that is an exact multiple of the latency is met by exactly that many requests
+    for ms in range(1, 31):
+        for k in range(1, 60):
+            assert RuntimeScheduler((64,), (linear(ms / 1000),), slo=ms * k / 1000).capacity == (k,), (ms, k)
     p = allocation_problem([30, 5], [64, 128], LatencyProfile("m", {Cell(1, 64): 0.01, Cell(1, 128): 0.02}), 3, 0.1)
     assert p.capacity == (10, 5)
 
@@ -256,6 +281,23 @@ def test_runtime_scheduler_moves_instances_to_the_busy_runtime_and_keeps_ties():
         rs.observe(20, 10.0 + k * 0.01)
     again = rs.maybe_reallocate(20.0, moved)
     assert again.moves == ()
+
+
+def test_runtime_scheduler_keeps_the_current_allocation_within_hysteresis():
+    """A feasible current allocation within ``hysteresis`` of the optimum is kept (no moves);
+    with none it is replaced by the optimum."""
+    assignment = {i: 1 for i in range(6)}
+    plans = {}
+    for hysteresis in (0.0, 10.0):
+        rs = RuntimeScheduler((64, 128), (linear(0.01), linear(0.02)), slo=0.1, period=10.0, hysteresis=hysteresis)
+        rs.maybe_reallocate(0.0, assignment)
+        for k in range(500):  # Q_1 = 5 < M_1: all six on the long runtime is feasible, not optimal
+            rs.observe(20, k * 0.02)
+        plans[hysteresis] = rs.maybe_reallocate(10.0, assignment)
+    optimum, kept = plans[0.0], plans[10.0]
+    assert optimum.allocation.counts != (0, 6) and optimum.moves
+    assert kept.allocation.counts == (0, 6) and kept.allocation.solver == "dp+kept" and kept.moves == ()
+    assert kept.allocation.objective > optimum.allocation.objective
 
 
 def test_demand_rounding_preserves_the_rounded_total():
@@ -484,7 +526,9 @@ def test_policy_scale_in_and_out_keep_every_request():
     (batch,) = plan.batches
     policy.on_completion(batch, 0.001)  # fast -> scale in is proposed
     decision = policy.counters.scale_decisions[-1]
-    assert decision.action == "in" and decision.instance in (0, 1)
+    # instance 1 is idle, but it is the longest runtime's only instance (Eq. 7): 0 goes instead
+    assert policy.dispatcher.load(1) < policy.dispatcher.load(0)
+    assert decision.action == "in" and decision.instance == 0
     policy.remove_instance(0, 0.001)  # its queued requests move to instance 1
     policy.add_instance(5, 0.001)  # a scale-out worker runs the longest runtime
     assert policy.dispatcher.level_of(5) == 2
@@ -509,3 +553,43 @@ def test_runtime_scheduler_first_solve_after_warmup():
     assert rs.maybe_reallocate(130.0, assignment) is not None
     # headroom plans against a fraction of the SLO
     assert RuntimeScheduler((64, 128), (linear(0.01), linear(0.02)), slo=0.1, headroom=0.5).capacity == (5, 2)
+
+
+def test_policy_refuses_setups_that_could_never_dispatch():
+    with pytest.raises(ValueError, match="at least one instance"):
+        make_policy(instances=0)
+    with pytest.raises(ValueError, match="longest bucket"):
+        make_policy(instances=2, initial_allocation=(1, 1, 0))
+    with pytest.raises(ValueError, match=">= 0"):
+        make_policy(instances=2, initial_allocation=(3, -2, 1))
+
+
+def test_a_switching_instance_is_busy_not_empty_to_the_dispatcher():
+    """replacement_seconds > 0: instances that switch runtime start no batch until the switch is
+    done, so Alg. 1 must not hand them the re-dispatched queue while an instance that stayed is
+    idle. They carry the work they could have done meanwhile as load, released when ready."""
+    policy, prof = make_policy(instances=3, initial_allocation=(0, 0, 3), period=1.0, warmup=1.0,
+                               replacement_seconds=1.0)
+    policy.plan(0.0, [0, 1, 2])  # starts the runtime scheduler's clock
+    for k in range(39):
+        policy.on_arrival(Request(k, k / 40, "bert", length=10), k / 40)
+    assert policy.plan(0.99, []).batches == ()  # every instance busy: all 39 stay queued
+    policy.on_arrival(Request(39, 1.0, "bert", length=10), 1.0)  # the solve is due: instances switch
+    moved = [i for i, rt in policy.assignment().items() if rt != 2]
+    stayed = [i for i, rt in policy.assignment().items() if rt == 2]
+    assert moved and stayed and policy.counters.instances_moved == len(moved)
+    plan = policy.plan(1.0, [0, 1, 2])
+    assert [b.instance for b in plan.batches] == stayed  # the ready instance works now
+    assert plan.wake_at == pytest.approx(2.0)  # the switching ones start when their switch is done
+    served = {r for b in plan.batches for r in b.request_ids}
+    for b in plan.batches:
+        policy.on_completion(b, 1.0 + prof.latency(b.cell))
+    t = 2.0
+    while policy.queue_depth():
+        for b in policy.plan(t, [0, 1, 2]).batches:
+            served |= set(b.request_ids)
+            policy.on_completion(b, t)
+        t += 0.01
+    assert served == set(range(40))
+    policy.plan(t + 2.0, [])  # any later switch is done too (no arrivals since: no more solves)
+    assert all(load == 0 for load in policy.dispatcher.loads().values())  # the charges were released

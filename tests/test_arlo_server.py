@@ -99,9 +99,8 @@ def test_arlo_answers_everything_once_across_reallocations(workdir):
 
 # ST and INFaaS-like differ from Arlo only inside the policy (tests/test_arlo_baselines.py builds them through
 # make_policy); DT also wraps the served runtime, so it is the baseline that needs the real server.
-@pytest.mark.parametrize("policy", ["dt"])
-def test_baselines_serve_through_http(workdir, policy):
-    with LiveServer(settings(workdir, policy)) as server:
+def test_dt_baseline_serves_through_http(workdir):
+    with LiveServer(settings(workdir, "dt")) as server:
         lengths = [1, 10, 20, 40, 50, 5, 30, 12]
         results = post_all(server.url, [{"input": [words(n)]} for n in lengths * 3])
         assert [code for code, _ in results] == [200] * len(results)
@@ -110,15 +109,12 @@ def test_baselines_serve_through_http(workdir, policy):
             tokens = n + 2
             seq = int(d["meta"]["shape"].split("_s")[1].split("_")[0])
             assert d["meta"]["outcome"] in ("ok", "late") and seq >= tokens
-            if policy == "st":
-                assert seq == 64  # padded to the maximum length
-            if policy == "dt":  # computed in the smallest bucket that holds it (then held for DT's time)
-                assert seq == min(b for b in BUCKETS if b >= tokens)
+            # computed in the smallest bucket that holds it (then held for DT's time)
+            assert seq == min(b for b in BUCKETS if b >= tokens)
         m = httpx.get(server.url + "/metrics").text
         assert metric(m, "jaxserve_compilations_since_ready") == 0
         assert metric(m, "jaxserve_policy_served") == len(results)
-        if policy in ("st", "dt"):
-            assert metric(m, "jaxserve_policy_instances", '{runtime="64"}') == 2
+        assert metric(m, "jaxserve_policy_instances", '{runtime="64"}') == 2
 
 
 def test_text_stream_policies_refuse_image_models(workdir):

@@ -143,13 +143,19 @@ class LatencyCurve:
 
     def __init__(self, profile: LatencyProfile, seq: int, max_batch: int | None = None) -> None:
         cells = sorted(c.batch for c in profile.seconds if c.seq == seq and c.gamma == 0)
-        if max_batch is not None:
-            cells = [b for b in cells if b <= max_batch] or cells[:1]
         if not cells:
             raise KeyError(f"no profiled cell with seq={seq} for {profile.model}")
+        lat = [profile.seconds[Cell(b, seq, 0)] for b in cells]
+        if max_batch is not None and cells[0] > max_batch:
+            # no cell holds only max_batch requests: they run padded in the smallest, which
+            # then serves max_batch requests per run at that cell's latency
+            cells, lat = [max_batch], lat[:1]
+        elif max_batch is not None:
+            lat = [t for b, t in zip(cells, lat) if b <= max_batch]
+            cells = cells[:len(lat)]
         self.seq = seq
         self._batches = cells
-        self._lat = [profile.seconds[Cell(b, seq, 0)] for b in cells]
+        self._lat = lat
         self._values = [0.0]  # index b -> L(b); index 0 unused
 
     def _raw(self, b: int) -> float:
@@ -623,18 +629,28 @@ def solve_allocation_milp(problem: AllocationProblem, time_limit: float = 60.0) 
     )
     h.run()
     status = h.getModelStatus()
-    if status != highspy.HighsModelStatus.kOptimal:
-        raise RuntimeError(f"HiGHS did not prove optimality: {h.modelStatusToString(status)}")
-    x = h.getSolution().col_value
-    counts = [int(round(x[j])) for j in n_var]
-    return _result(problem, counts, feasible, "milp")
+    if status == highspy.HighsModelStatus.kOptimal:
+        return _result(problem, [int(round(h.getSolution().col_value[j])) for j in n_var], feasible, "milp")
+    if status != highspy.HighsModelStatus.kTimeLimit:
+        raise RuntimeError(f"HiGHS failed on a feasible-by-construction model: {h.modelStatusToString(status)}")
+    # Out of time: the best allocation HiGHS holds, if it holds one that satisfies Eq. 2-7 as
+    # rounded, else the DP's (exact too, and never slow at these sizes); the solver name says so.
+    # The policy calls this from a request's arrival, so it must answer, not raise.
+    if h.getInfo().primal_solution_status == int(highspy.SolutionStatus.kSolutionStatusFeasible):
+        counts = [int(round(h.getSolution().col_value[j])) for j in n_var]
+        if sum(counts) == g_total and all(c >= b for c, b in zip(counts, lb)):
+            return _result(problem, counts, feasible, "milp (time limit)")
+    best = solve_allocation_dp(problem)
+    return _result(problem, best.counts, feasible, "dp (milp time limit)")
 
 
-def solve_allocation(problem: AllocationProblem, solver: str = "dp") -> Allocation:
+def solve_allocation(problem: AllocationProblem, solver: str = "dp", time_limit: float = 60.0) -> Allocation:
+    """The allocation by ``solver``: ``"dp"`` (default) or ``"milp"`` (HiGHS, stopped after
+    ``time_limit`` seconds with the best allocation it has; see :func:`solve_allocation_milp`)."""
     if solver == "dp":
         return solve_allocation_dp(problem)
     if solver == "milp":
-        return solve_allocation_milp(problem)
+        return solve_allocation_milp(problem, time_limit)
     raise ValueError(f"unknown solver {solver!r} (dp or milp)")
 
 
@@ -741,6 +757,8 @@ class RuntimeScheduler:
     ``min(window, now - first observation)``. With no observation in the window,
     nothing changes. The current allocation is kept when it is feasible and within
     ``hysteresis`` (relative) of the optimum, so ties never cause replacements.
+    ``solver="milp"`` solves stop after ``milp_time_limit`` seconds (default 1) with the
+    best allocation found: a solve runs inside the callback of the request that made it due.
 
     ``headroom < 1`` (ours, not the paper's: default 1) computes ``M_i`` against
     ``headroom * SLO``, so no runtime is planned at 100 % of its capacity, where
@@ -764,6 +782,7 @@ class RuntimeScheduler:
         hysteresis: float = 0.0,
         warmup: float | None = None,
         headroom: float = 1.0,
+        milp_time_limit: float = 1.0,
     ) -> None:
         if list(buckets) != sorted(set(buckets)) or not buckets:
             raise ValueError("buckets must be strictly increasing")
@@ -778,6 +797,7 @@ class RuntimeScheduler:
         self.period = float(period)
         self.window = float(window if window is not None else period)
         self.solver = solver
+        self.milp_time_limit = float(milp_time_limit)
         self.hysteresis = float(hysteresis)
         self.warmup = self.period if warmup is None else float(warmup)
         self._seen: deque[tuple[float, int]] = deque()
@@ -846,7 +866,7 @@ class RuntimeScheduler:
         """Solve now, whatever the period (the periodic path calls this)."""
         demand = self.demand(now)
         problem = self.problem(demand, len(assignment))
-        best = solve_allocation(problem, self.solver)
+        best = solve_allocation(problem, self.solver, self.milp_time_limit)
         self.solves += 1
         current = [0] * len(self.buckets)
         for rt in assignment.values():
@@ -860,7 +880,10 @@ class RuntimeScheduler:
 
 
 def _capacity(latency: Callable[[int], float], slo: float) -> int:
-    """``max{b >= 1 : L(b) <= slo}`` (1 if even one request misses it); ``L`` is nondecreasing."""
+    """``max{b >= 1 : L(b) <= slo}`` (1 if even one request misses it); ``L`` is nondecreasing.
+    ``<=`` holds within a relative 1e-9, so an SLO that is an exact multiple of the latency
+    is met by that many requests (9 ms at 1 ms each is 9) despite ``l * b`` rounding above it."""
+    slo = slo * (1.0 + 1e-9)
     lo, hi = 1, 2
     while latency(hi) <= slo:  # doubling, then bisection
         lo, hi = hi, hi * 2
@@ -1302,6 +1325,14 @@ class ArloPolicy:
       seconds after the first arrival, then every ``period``); an instance that switches runtime keeps its running batch, its
       queued requests are re-dispatched (nothing is lost), and with
       ``replacement_seconds > 0`` it starts no batch until the switch is done.
+      Decision: a switching instance is charged, as dispatcher load, the requests
+      its new runtime could have run in that time (released when the switch is
+      done), so Alg. 1 sees it as busy rather than empty and does not pile the
+      re-dispatched queue onto it while an instance that stayed sits idle. Moves
+      apply at once, not "in small batches" (§4): in jaxserve a switch costs
+      nothing (every runtime's executable is loaded in the process, so the
+      default is 0 s); ``replacement_seconds`` models the paper's ~1 s swap in
+      simulation only.
       With ``redispatch_queued`` (default; ours, the paper does not say what
       happens to queued requests) a reallocation that moves any instance
       re-dispatches *every* queued request, oldest first, not only the moved
@@ -1396,6 +1427,10 @@ class ArloPolicy:
         if autoscaler is not None and autoscaler.longest_runtime is None:
             autoscaler.longest_runtime = len(self.buckets) - 1
         self.replacement_seconds = float(replacement_seconds)
+        # requests one instance of each runtime runs per second at full batches: prices a switch
+        self._rate = [self.max_batch / LatencyCurve(profile, s, self.max_batch)(self.max_batch)
+                      for s in self.buckets] if self.replacement_seconds > 0 else []
+        self._charged: dict[int, int] = {}  # switching instance -> load charged until it is ready
         self.redispatch_queued = bool(redispatch_queued)
         self.counters = ArloCounters()
         self._queues: dict[int, deque[Request]] = {}
@@ -1404,9 +1439,13 @@ class ArloPolicy:
         self._arrival: dict[int, float] = {}
         self._pending: deque[Request] = deque()
         self._queued = 0
+        if instances < 1:
+            raise ValueError("Arlo needs at least one instance")
         alloc = list(initial_allocation) if initial_allocation is not None else _even(instances, len(self.buckets))
-        if len(alloc) != len(self.buckets) or sum(alloc) != instances:
-            raise ValueError("initial_allocation needs one count per bucket summing to instances")
+        if len(alloc) != len(self.buckets) or sum(alloc) != instances or min(alloc) < 0:
+            raise ValueError("initial_allocation needs one count >= 0 per bucket summing to instances")
+        if alloc[-1] < 1:  # Eq. 7: a request of any length must have an instance that fits it
+            raise ValueError("initial_allocation must give the longest bucket an instance (Eq. 7)")
         if scale_pool is not None and scale_pool < instances:
             raise ValueError("scale_pool must be >= instances")
         self.scale_pool = scale_pool
@@ -1440,6 +1479,7 @@ class ArloPolicy:
         """
         queue = self._queues.pop(instance)
         self._ready_at.pop(instance, None)
+        self._charged.pop(instance, None)
         self.dispatcher.remove_instance(instance)
         self._queued -= len(queue)
         self._redispatch(queue)
@@ -1607,6 +1647,9 @@ class ArloPolicy:
                 self._place(req)
 
     def _tick(self, now: float) -> None:
+        if self._charged:
+            for inst in [i for i in self._charged if self._ready_at[i] <= now]:
+                self.dispatcher.complete(inst, self._charged.pop(inst))  # its switch is done
         if not self.runtime.due(now):  # cheap check first: the solve needs O(G) snapshots
             return
         d = self.dispatcher
@@ -1622,7 +1665,11 @@ class ArloPolicy:
         displaced: list[Request] = []
         for mv in moved:
             queue = self._queues[mv.instance]
-            d.move_instance(mv.instance, mv.target, d.load(mv.instance) - len(queue))
+            load = d.load(mv.instance) - len(queue) - self._charged.pop(mv.instance, 0)
+            if self.replacement_seconds > 0:  # busy switching (class docstring)
+                self._charged[mv.instance] = math.ceil(self.replacement_seconds * self._rate[mv.target])
+                load += self._charged[mv.instance]
+            d.move_instance(mv.instance, mv.target, load)
             self._queued -= len(queue)
             displaced.extend(queue)
             queue.clear()
