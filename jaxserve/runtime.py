@@ -41,6 +41,27 @@ class TaskHead:
     feature: str = "embedding"  # which executable output it reads
     accuracy: float | None = None  # held-out accuracy reported by its training script
 
+    def __post_init__(self) -> None:
+        """A head that could fail, or answer garbage, while a batch runs is refused here,
+        when it is loaded (at startup, or by a reload, which then changes nothing): heads
+        are applied to every item of a mixed batch, so one bad head would fail the requests
+        of every task and the plain embeddings batched with it."""
+        if not self.labels or len(set(self.labels)) != len(self.labels):
+            raise ValueError(f"head {self.name!r}: labels must be distinct and at least one")
+        if self.feature not in ("embedding", "logits"):
+            raise ValueError(f"head {self.name!r}: feature {self.feature!r} is not 'embedding' or 'logits'")
+        if (self.weight is None) != (self.bias is None) or (self.weight is None) != (self.feature == "logits"):
+            raise ValueError(f"head {self.name!r}: a weight and bias over the embedding, or neither over logits")
+        if self.weight is None:
+            return
+        if self.weight.ndim != 2 or self.bias.shape != (self.weight.shape[1],):
+            raise ValueError(f"head {self.name!r}: weight {self.weight.shape} and bias {self.bias.shape} "
+                             "do not make a [features, classes] linear layer")
+        if len(self.labels) > self.weight.shape[1]:
+            raise ValueError(f"head {self.name!r}: {len(self.labels)} labels for {self.weight.shape[1]} classes")
+        if not (np.isfinite(self.weight).all() and np.isfinite(self.bias).all()):
+            raise ValueError(f"head {self.name!r}: weight or bias holds NaN or infinity")
+
     def probabilities(self, features: np.ndarray) -> np.ndarray:
         logits = features if self.weight is None else features @ self.weight + self.bias
         logits = logits[..., : len(self.labels)]  # per-sample heads are padded to the widest task
@@ -56,10 +77,14 @@ class TaskHead:
 
     @classmethod
     def load(cls, name: str, path: str | Path) -> "TaskHead":
-        z = np.load(path)
-        acc = float(z["accuracy"])
-        return cls(name, tuple(str(x) for x in z["labels"]), z["weight"].astype(np.float32),
-                   z["bias"].astype(np.float32), str(z["feature"]), None if acc < 0 else acc)
+        """The head saved at ``path``; ValueError naming the file if it is not a valid one."""
+        try:
+            with np.load(path) as z:
+                acc = float(z["accuracy"])
+                return cls(name, tuple(str(x) for x in z["labels"]), z["weight"].astype(np.float32),
+                           z["bias"].astype(np.float32), str(z["feature"]), None if acc < 0 else acc)
+        except Exception as exc:  # not an npz, a missing array, a wrong shape or dtype, a bad head
+            raise ValueError(f"{path}: not a usable task head ({type(exc).__name__}: {exc})") from None
 
 
 @dataclass
@@ -157,6 +182,7 @@ class ModelRuntime:
                 head = heads[task]
                 probs = head.probabilities(item[head.feature][None])[0]
                 item["probabilities"] = probs
+                item["labels"] = head.labels  # the head this batch ran with (a reload may swap it meanwhile)
                 item["label"] = head.labels[int(np.argmax(probs))]
             items.append(item)
         return BatchOutput(items, time.perf_counter() - t0)

@@ -510,14 +510,13 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
         return FastJSON({"object": "list", "data": data, "model": req.model,
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
-    def classify_response(model: str, task: str, rt, answers: list[Answer], path: str) -> FastJSON:
-        labels = rt.heads[task].labels
+    def classify_response(model: str, task: str, answers: list[Answer], path: str) -> FastJSON:
         results = []
         for i, a in enumerate(answers):
-            probs = a.outputs.get("probabilities")
+            probs = a.outputs.get("probabilities")  # labels: those of the head its batch ran with
             results.append({
                 "index": i, "label": a.outputs.get("label"), "meta": _meta(a),
-                "probabilities": None if probs is None else {l: float(p) for l, p in zip(labels, probs)}})
+                "probabilities": None if probs is None else {l: float(p) for l, p in zip(a.outputs["labels"], probs)}})
         metrics.request_done(path, 200)
         return FastJSON({"model": model, "task": task, "results": results})
 
@@ -528,7 +527,7 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
         ids = await tokenize(rt, req.inputs, req.truncate, "inputs")
         answers = await run_items(
             [Item(req.model, seq, len(seq), req.task, req.slo_ms, req.utility) for seq in ids], http, "inputs")
-        return classify_response(req.model, req.task, rt, answers, "/v1/classify/text")
+        return classify_response(req.model, req.task, answers, "/v1/classify/text")
 
     @app.post("/v1/classify/image", response_model=ClassifyResponse)
     async def classify_image(req: ClassifyImageRequest, http: Request):
@@ -537,7 +536,7 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
         images = [decode_image(raw, rt.image_shape, i) for i, raw in enumerate(req.inputs)]
         answers = await run_items(
             [Item(req.model, img, 0, req.task, req.slo_ms, req.utility) for img in images], http, "inputs")
-        return classify_response(req.model, req.task, rt, answers, "/v1/classify/image")
+        return classify_response(req.model, req.task, answers, "/v1/classify/image")
 
     def model_card(name: str, rt) -> dict:
         """One served model, as OpenAI's model object (``id``, ``object``, ``created``,

@@ -628,12 +628,19 @@ def test_reload_serves_retrained_heads_and_prompts_without_compiling(tmp_path):
         r = c.post("/admin/reload")
         assert r.status_code == 409 and "cannot remove tasks ['mood']" in r.json()["error"]["message"], r.text
         assert text_label("mood") == labels[forced]
+        # refused: a head that would fail (and with it every item batched beside it) when applied
+        good = dict(np.load(heads / "sentiment.npz"))
+        np.savez(heads / "mood.npz", **{**good, "bias": good["bias"][:2]})
+        r = c.post("/admin/reload")
+        assert r.status_code == 409 and "mood.npz" in r.json()["error"]["message"], r.text
+        assert "do not make a [features, classes] linear layer" in r.json()["error"]["message"], r.text
+        assert text_label("mood") == labels[forced]
         # refused: an unreadable head file
         (heads / "mood.npz").write_bytes(b"not a numpy archive")
         assert c.post("/admin/reload").status_code == 409
         assert text_label("mood") == labels[forced]
         assert _series(srv.url, 'jaxserve_asset_reloads_total{outcome="ok"}') == 4.0
-        assert _series(srv.url, 'jaxserve_asset_reloads_total{outcome="refused"}') == 3.0
+        assert _series(srv.url, 'jaxserve_asset_reloads_total{outcome="refused"}') == 4.0
         assert _series(srv.url, "jaxserve_compilations") == compiles
 
 

@@ -87,3 +87,28 @@ def test_metrics_file(trained):
     assert set(saved["variants"]) == {"linear", "linear-balanced"}
     assert 0.0 < saved["test_macro_f1"] <= 1.0
     assert saved["seed"] == SEED
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"bias": np.zeros(2, np.float32)}, "linear layer"),
+    ({"weight": np.zeros((4, 3, 1), np.float32)}, "linear layer"),
+    ({"labels": ("a", "b", "c", "d")}, "4 labels for 3 classes"),
+    ({"labels": ("a", "a")}, "distinct"),
+    ({"labels": ()}, "distinct"),
+    ({"weight": np.full((4, 3), np.nan, np.float32)}, "NaN"),
+    ({"feature": "logits"}, "or neither over logits"),
+    ({"feature": "pooled"}, "'pooled' is not"),
+    ({"weight": None, "bias": None}, "or neither over logits"),
+])
+def test_a_head_that_would_fail_a_batch_is_refused_when_loaded(tmp_path, change, needle):
+    """Heads apply to every item of a mixed batch: one that cannot be applied must never load."""
+    fields = {"name": "t", "labels": ("a", "b", "c"), "weight": np.zeros((4, 3), np.float32),
+              "bias": np.zeros(3, np.float32), "feature": "embedding"}
+    TaskHead(**fields)  # the unchanged head is fine
+    with pytest.raises(ValueError, match=needle):
+        TaskHead(**{**fields, **change})
+    # and from a file, the error names the file
+    np.savez(tmp_path / "t.npz", **{**{k: v for k, v in fields.items() if k != "name"},
+                                    "accuracy": np.array(-1.0), "bias": np.zeros(2, np.float32)})
+    with pytest.raises(ValueError, match=r"t\.npz: not a usable task head"):
+        TaskHead.load("t", tmp_path / "t.npz")
