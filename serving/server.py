@@ -359,7 +359,14 @@ def timed_protocol(header_timeout_s: float, on_timeout: Callable[[str], None] | 
     deadline in the ASGI layer (``serving.app.Guard``), where the answer can name the route.
     ``on_timeout(phase)`` counts them ("idle" or "headers") for the metrics. If a pipelined
     response is still being written when the deadline passes, the 408 waits for it (one
-    answer at a time on a connection)."""
+    answer at a time on a connection).
+
+    Two ways around those deadlines are closed too. A request answered before its body
+    arrived (a 401, 404 or early 413 that never reads it) has its connection closed once
+    answered: uvicorn would go on reading the rest of that body to discard it, with no
+    deadline, each byte cancelling its keep-alive timer. And bytes that arrive between
+    requests (blank lines, which the parser skips without starting a request) start the
+    next request's header deadline, since they cancel uvicorn's keep-alive timer too."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class TimedHttpProtocol(HttpToolsProtocol):
@@ -381,7 +388,14 @@ def timed_protocol(header_timeout_s: float, on_timeout: Callable[[str], None] | 
 
         def data_received(self, data: bytes) -> None:
             self._got_bytes = self._got_bytes or bool(data)
+            if data and self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+                self._arm()  # between requests: these bytes begin the next one's headers
             super().data_received(data)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
+                self.transport.close()  # answered before its body came: not read on, to no deadline
 
         def on_message_begin(self) -> None:
             super().on_message_begin()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures as cf
+import contextlib
 import json
 import socket
 import ssl
@@ -459,6 +460,38 @@ def test_slow_clients_are_cut_off_and_counted(server, client):
     assert _series(server.url, label) == before_408 + 1
     assert client.post("/v1/embeddings", json={"input": "after"}).status_code == 200
     assert _series(server.url, "jaxserve_compilations") == compiles
+
+
+def test_no_trickle_outlives_the_deadlines(server, client):
+    """Two ways a slow client could dodge the deadlines above: a request answered before its
+    body came (here a 404, which never reads it) keeps trickling that body, and a keep-alive
+    connection trickles blank lines, which start no request. The first is closed once
+    answered; the second gets the header deadline's 408 (5 s here) and is closed."""
+    headers_before = _series(server.url, 'jaxserve_read_timeouts_total{phase="headers"}') or 0.0
+    unread = socket.create_connection(("127.0.0.1", server.port))
+    unread.sendall(b"POST /v2/nothing HTTP/1.1\r\nHost: x\r\ncontent-length: 100\r\n\r\n{")
+    blank = socket.create_connection(("127.0.0.1", server.port))
+    blank.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    blank.settimeout(30)
+    assert blank.recv(65536).startswith(b"HTTP/1.1 200")
+    stop = threading.Event()
+
+    def trickle():  # never idle, never done: without a deadline these connections live for ever
+        while not stop.wait(0.3):
+            for sock, byte in ((unread, b" "), (blank, b"\r\n")):
+                with contextlib.suppress(OSError):
+                    sock.sendall(byte)
+
+    threading.Thread(target=trickle, daemon=True).start()
+    try:
+        answered = _read_to_eof(unread)  # a socket timeout (30 s) here: the connection was kept
+        late = _read_to_eof(blank)
+    finally:
+        stop.set()
+    assert answered.startswith(b"HTTP/1.1 404"), answered
+    assert late.startswith(b"HTTP/1.1 408"), late
+    assert _series(server.url, 'jaxserve_read_timeouts_total{phase="headers"}') == headers_before + 1
+    assert client.get("/healthz").status_code == 200
 
 
 def test_an_api_key_guards_every_route_but_probes_metrics_and_docs(tmp_path):
