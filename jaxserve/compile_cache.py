@@ -3,22 +3,35 @@
 Layout of a cache directory (``compiled_cache/`` by default)::
 
     xla/                      XLA persistent compilation cache (jax manages it)
-    executables/<key>.bin     jax.experimental.serialize_executable payload
+    executables/<key>.bin     a header, the payload's sha256, then the payload
+                              (jax.experimental.serialize_executable's bytes)
     executables/<key>.json    what the key was made of, size and sha256 of the payload
     manifest.json             one row per (model, cell): versions, flags, seconds, hit/miss
 
 The key hashes everything that could make a stored executable wrong for this process:
 model name and config hash, the cell, the function variant, the abstract shapes of
-every argument, a hash of jaxserve's model and polymorph sources, jax/jaxlib versions,
-the backend and device kind (on the CPU, the instruction set: host_cpu), ``XLA_FLAGS`` and the jax config flags that change
+every argument, a hash of jaxserve's model and polymorph sources, the entry format,
+jax/jaxlib/flax versions, the backend and device kind (on the CPU, the instruction set: host_cpu), ``XLA_FLAGS`` and the jax config flags that change
 lowering. Change any of them and the key changes, so a stale entry can never load; it
 is simply a miss.
 
-A payload whose size or sha256 does not match its sidecar is reported, deleted and
-rebuilt; a payload that fails to deserialize is treated the same way. The cache holds
-native code that this process will run: it is *trusted code*. Directories are created
-owner-only (0700) and files 0600; never point the server at a cache someone else can
-write.
+A ``.bin`` checks itself: its header carries the payload's sha256, so a load reads and
+verifies that one file. (The sidecar is a description for people and for ``prune``;
+two warmup jobs writing one key replace ``.bin`` and ``.json`` one after the other, and
+their payloads differ byte for byte, so a reader between them would see one job's
+payload beside the other's checksum.) A payload whose checksum fails is reported,
+deleted and rebuilt; a payload that fails to deserialize is treated the same way.
+
+The cache holds native code that this process will run: it is *trusted code*.
+Directories are owner-only (0700) and files 0600; never point the server at a cache
+someone else can write. (jax writes the XLA cache's files with the umask's mode:
+:meth:`CompileCache.restrict_modes` tightens them after each of the cache's compiles and
+at the end of ``jaxserve warmup``. A program the process compiles outside the cache,
+weight initialization say, may leave a file at the umask's mode in xla/ until then; xla/
+itself is 0700, so no one else can reach it.)
+Because the root is made 0700, a root that already exists must be this user's and
+either empty or a cache already (:func:`check_cache_root`): ``--cache-dir .`` or ``~``
+is refused rather than silently locked down.
 """
 
 from __future__ import annotations
@@ -31,12 +44,14 @@ import json
 import logging
 import os
 import platform
+import stat
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import flax
 import jax
 import jaxlib
 
@@ -87,15 +102,24 @@ def host_cpu() -> str:
     return f"{platform.machine()}:{platform.processor()}"
 
 
+# The layout of executables/<key>.bin. Part of every key, so entries in another format are
+# clean misses (and pruned), never reported as corrupt. Change both together.
+ENTRY_FORMAT = "2"
+_MAGIC = b"jaxserve executable 2\n"
+
+
 def environment_fingerprint() -> dict[str, str]:
     """What decides the compiled code besides the model, cell and argument shapes:
-    jaxserve's program sources, versions, backend, the CPU's instruction set (CPU backend
-    only: a GPU executable's code is for the GPU its device kind names), flags."""
+    jaxserve's program sources and entry format, versions (flax too: its modules, such as
+    nnx.LayerNorm, write part of every program), backend, the CPU's instruction set (CPU
+    backend only: a GPU executable's code is for the GPU its device kind names), flags."""
     device = jax.devices()[0]
     fp = {
         "program": program_fingerprint(),
+        "entry_format": ENTRY_FORMAT,
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__,
         "platform": device.platform,
         "device_kind": device.device_kind,
         "host_cpu": host_cpu() if device.platform == "cpu" else "",
@@ -174,7 +198,59 @@ def compile_seconds() -> float:
     return _compile_counter["seconds"]
 
 
+def _frame(payload: bytes) -> bytes:
+    """A ``.bin``'s bytes: header, the payload's sha256, the payload."""
+    return _MAGIC + hashlib.sha256(payload).digest() + payload
+
+
+def _unframe(data: bytes) -> bytes:
+    """The payload of a ``.bin``'s bytes; ValueError if the header or checksum is wrong."""
+    if not data.startswith(_MAGIC):
+        raise ValueError("not a jaxserve executable (bad header)")
+    digest, payload = data[len(_MAGIC):len(_MAGIC) + 32], data[len(_MAGIC) + 32:]
+    if hashlib.sha256(payload).digest() != digest:
+        raise ValueError(f"checksum mismatch ({len(payload)} bytes)")
+    return payload
+
+
+class CacheDirError(ValueError):
+    """A cache directory that jaxserve will not take over (see :func:`check_cache_root`)."""
+
+
+# any one: a jaxserve cache (cost models: `jaxserve profile` writes its default one there)
+_CACHE_MARKERS = {"manifest.json", "executables", "xla", ".lock", "cost_model.json", "cost_model-bf16.json"}
+_PLACEHOLDERS = {"README.md", ".gitkeep", ".gitignore"}  # an empty directory kept in a repository
+
+
+def check_cache_root(path: str | Path) -> None:
+    """Raise CacheDirError unless ``path`` is missing or may become a cache: a directory
+    of this user's that is empty (but for placeholders such as the repository's
+    compiled_cache/README.md) or already a jaxserve cache. The cache makes its root
+    0700; doing that to a project, a home directory or /tmp would lock others out of it."""
+    path = Path(path)
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise CacheDirError(f"cache directory {str(path)!r} exists and is not a directory")
+    if path.stat().st_uid != os.geteuid():
+        raise CacheDirError(f"cache directory {str(path)!r} belongs to another user: a cache is trusted "
+                            "code, and jaxserve will not make someone else's directory owner-only")
+    names = {p.name for p in path.iterdir()}
+    if names - _PLACEHOLDERS and not names & _CACHE_MARKERS:
+        raise CacheDirError(f"cache directory {str(path)!r} holds other files and is not a jaxserve cache: "
+                            "jaxserve makes its cache directory owner-only (0700), so give it an empty "
+                            "or new directory")
+
+
+def _cache_root(path: Path) -> Path:
+    """Create the cache's root owner-only, or take over an existing one that passes
+    :func:`check_cache_root` and make it owner-only."""
+    check_cache_root(path)
+    return _owner_only_dir(path)
+
+
 def _owner_only_dir(path: Path) -> Path:
+    """A directory 0700: only for the root once checked, and the directories inside it."""
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path, 0o700)
     return path
@@ -230,7 +306,7 @@ class CompileCache:
     """
 
     def __init__(self, root: str | Path, use_xla_cache: bool = True, rebuild_serialized: bool = False):
-        self.root = _owner_only_dir(Path(root))
+        self.root = _cache_root(Path(root))
         self.exe_dir = _owner_only_dir(self.root / "executables")
         self.events: list[str] = []  # human-readable reports of corrupt entries
         xla_dir = self.root / "xla"
@@ -254,13 +330,30 @@ class CompileCache:
             self.store(key, compiled, description)
             if self.compile_fresh:
                 lowered.compile(compiler_options=options)  # through the XLA cache too: a miss writes the entry
+                self.restrict_modes()
             return compiled, "compiled"
         hits = xla_cache_hits()
         compiled = lowered.compile(compiler_options=options)
         if xla_cache_hits() != hits:
             return compiled, "xla-cache"
+        self.restrict_modes()  # the miss wrote an XLA cache entry
         self.store(key, compiled, description)
         return compiled, "compiled"
+
+    def restrict_modes(self) -> None:
+        """Make every file under xla/ 0600 and every directory there 0700 (our own files
+        are written 0600 already). jax writes its cache files with the umask's mode (0644,
+        typically), and any program the process compiles goes there, not only ours; xla/
+        itself is 0700, so nobody else could reach them meanwhile, but the files should say
+        so too. Called after each compile here and by ``jaxserve warmup`` at its end.
+        Cheap: a walk of a few hundred entries, chmod only where the mode differs."""
+        for dirpath, dirnames, filenames in os.walk(self.root / "xla"):
+            for name, mode in [(d, 0o700) for d in dirnames] + [(f, 0o600) for f in filenames]:
+                path = os.path.join(dirpath, name)
+                with contextlib.suppress(OSError):  # gone meanwhile (jax's own rename, another process)
+                    st = os.lstat(path)
+                    if not stat.S_ISLNK(st.st_mode) and stat.S_IMODE(st.st_mode) != mode:
+                        os.chmod(path, mode)
 
     def _paths(self, key: str) -> tuple[Path, Path]:
         return self.exe_dir / f"{key}.bin", self.exe_dir / f"{key}.json"
@@ -269,16 +362,10 @@ class CompileCache:
         """The executable stored under ``key``, or None on a miss or a corrupt entry."""
         from jax.experimental import serialize_executable
 
-        payload_path, meta_path = self._paths(key)
-        if not payload_path.exists() or not meta_path.exists():
-            return None
         try:
-            meta = json.loads(meta_path.read_text())
-            payload = payload_path.read_bytes()
-            if len(payload) != meta["size"] or hashlib.sha256(payload).hexdigest() != meta["sha256"]:
-                raise ValueError(
-                    f"checksum mismatch ({len(payload)} bytes, expected {meta['size']})"
-                )
+            payload = self._read_entry(key)
+            if payload is None:
+                return None
             return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
         except Exception as exc:  # corrupt, truncated, or from an incompatible build
             msg = f"discarding corrupt cache entry {key}: {exc}"
@@ -291,9 +378,23 @@ class CompileCache:
         from jax.experimental import serialize_executable
 
         payload, _, _ = serialize_executable.serialize(compiled)
+        self._write_entry(key, payload, description)
+
+    def _read_entry(self, key: str) -> bytes | None:
+        """The payload stored under ``key`` (verified against the checksum in its own file),
+        None if there is none; ValueError if it is damaged."""
+        try:
+            data = self._paths(key)[0].read_bytes()
+        except FileNotFoundError:  # a miss, or discarded meanwhile by a process that found it corrupt
+            return None
+        return _unframe(data)
+
+    def _write_entry(self, key: str, payload: bytes, description: dict[str, Any]) -> None:
+        """The payload, self-checking, then its sidecar (written last: an entry whose sidecar
+        exists is complete, which prune and an interrupted warmup go by)."""
         payload_path, meta_path = self._paths(key)
         meta = dict(description, size=len(payload), sha256=hashlib.sha256(payload).hexdigest())
-        _write_owner_only(payload_path, payload)
+        _write_owner_only(payload_path, _frame(payload))
         _write_owner_only(meta_path, json.dumps(meta, indent=1, default=str).encode())
 
     def discard(self, key: str) -> None:
@@ -315,7 +416,9 @@ class CompileCache:
         for meta_path in self.exe_dir.glob("*.json"):
             try:
                 meta = json.loads(meta_path.read_text())
-            except ValueError:
+            except FileNotFoundError:  # discarded meanwhile by a process that found the entry corrupt
+                continue
+            except (OSError, ValueError):
                 meta = None
             if not isinstance(meta, dict) or meta.get("model") is None:
                 meta = None  # a sidecar that names no model can never load either

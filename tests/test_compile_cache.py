@@ -61,7 +61,8 @@ def test_one_executable_serves_every_checkpoint_of_a_config(cache_dir):
 
 @pytest.mark.parametrize(
     "change",
-    ["program", "jax", "jaxlib", "xla_flags", "device_kind", "host_cpu", "jax_default_matmul_precision"],
+    ["program", "entry_format", "jax", "jaxlib", "flax", "xla_flags", "device_kind", "host_cpu",
+     "jax_default_matmul_precision"],
 )
 def test_other_versions_or_flags_never_load_a_stale_entry(cache_dir, monkeypatch, change):
     table, _ = _table(CompileCache(cache_dir, use_xla_cache=False))
@@ -105,7 +106,7 @@ def test_other_config_or_shape_never_loads_a_stale_entry(cache_dir):
     assert len(keys) == len(GRID.cells())  # every cell its own key
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage_with_matching_sidecar"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage_with_valid_checksum"])
 def test_corrupt_entry_is_reported_discarded_and_rebuilt(cache_dir, damage):
     weights = weights_of(init_bert(CFG, seed=1))
     t1, rows = _table(CompileCache(cache_dir, use_xla_cache=False))
@@ -118,14 +119,7 @@ def test_corrupt_entry_is_reported_discarded_and_rebuilt(cache_dir, damage):
     elif damage == "flip":
         payload.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
     else:  # a payload that passes the checksum but is not an executable
-        import hashlib
-
-        junk = b"not an executable" * 10
-        payload.write_bytes(junk)
-        meta_path = payload.with_suffix(".json")
-        meta = json.loads(meta_path.read_text())
-        meta.update(size=len(junk), sha256=hashlib.sha256(junk).hexdigest())
-        meta_path.write_text(json.dumps(meta))
+        payload.write_bytes(cc._frame(b"not an executable" * 10))
     cache = CompileCache(cache_dir, use_xla_cache=False)
     t2, rows2 = _table(cache)
     sources = {r.cell: r.source for r in rows2}
@@ -147,8 +141,101 @@ def test_cache_is_owner_only(cache_dir):
     assert stat.S_IMODE(os.stat(cache_dir / "manifest.json").st_mode) == 0o600
 
 
+def _mode(path):
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_an_existing_directory_becomes_a_cache_only_if_empty_or_a_cache_already(tmp_path, monkeypatch):
+    """The root is made 0700: `--cache-dir .`, `~` or (as root) /tmp must be refused, not locked down."""
+    project = tmp_path / "project"
+    project.mkdir(mode=0o755)
+    os.chmod(project, 0o755)
+    (project / "setup.py").write_text("")
+    with pytest.raises(cc.CacheDirError, match="project.*not a jaxserve cache"):
+        CompileCache(project, use_xla_cache=False)
+    assert _mode(project) == 0o755 and not (project / "executables").exists()
+
+    placeholder = tmp_path / "compiled_cache"  # as in the repository: only a tracked README.md
+    placeholder.mkdir(mode=0o755)
+    os.chmod(placeholder, 0o755)
+    (placeholder / "README.md").write_text("the cache goes here\n")
+    CompileCache(placeholder, use_xla_cache=False)
+    assert _mode(placeholder) == 0o700
+    os.chmod(placeholder, 0o755)
+    CompileCache(placeholder, use_xla_cache=False)  # a cache already (executables/, .lock): taken again
+    assert _mode(placeholder) == 0o700
+
+    someone_elses = tmp_path / "shared"
+    someone_elses.mkdir(mode=0o1777)
+    os.chmod(someone_elses, 0o1777)
+    real_uid = os.geteuid()
+    monkeypatch.setattr(os, "geteuid", lambda: real_uid + 1)  # as if another user owned it
+    with pytest.raises(cc.CacheDirError, match="shared.*another user"):
+        CompileCache(someone_elses, use_xla_cache=False)
+    assert _mode(someone_elses) == 0o1777
+
+
+def test_xla_cache_files_are_owner_only(tmp_path):
+    """jax writes the XLA cache's files with the umask's mode (022 in the child): the cache
+    tightens them to 0600 after each of its compiles, and restrict_modes() (the end of
+    `jaxserve warmup`) tightens what other programs of the process left there."""
+    path = tmp_path / "cache"
+    modes = _child(path)["modes"]  # the grid warmed through the XLA cache
+    assert any(name.startswith("xla" + os.sep) for name in modes), "the XLA cache wrote nothing"
+    wrong = {name: oct(m) for name, m in modes.items() if m != (0o700 if (path / name).is_dir() else 0o600)}
+    assert not wrong
+    CompileCache(path, use_xla_cache=False).restrict_modes()  # what init_bert's programs wrote meanwhile
+    for p in path.rglob("*"):
+        assert _mode(p) == (0o700 if p.is_dir() else 0o600), p
+
+
+_ENTRY_WRITER = """
+import os, sys
+from jaxserve.compile_cache import CompileCache
+cache = CompileCache(sys.argv[1], use_xla_cache=False)
+for i in range(int(sys.argv[2])):
+    payload = os.urandom(1 << 16)  # serialized executables differ byte for byte between processes too
+    cache._write_entry("k", payload, {"model": "m", "i": i})
+"""
+
+
+def test_a_reader_racing_two_writers_of_one_key_never_sees_a_checksum_failure(cache_dir):
+    """Two warmup jobs store one key while a server loads it. A checksum kept beside the payload
+    (a second file, replaced separately) paired one writer's payload with the other's checksum:
+    a good entry reported corrupt and deleted. The checksum inside the .bin cannot be paired wrong."""
+    cache = CompileCache(cache_dir, use_xla_cache=False)
+    writers = [subprocess.Popen([sys.executable, "-c", _ENTRY_WRITER, str(cache_dir), "1500"],
+                                stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    reads, failures = 0, []
+    try:
+        while any(w.poll() is None for w in writers):
+            try:
+                payload = cache._read_entry("k")
+            except ValueError as exc:
+                failures.append(str(exc))
+            else:
+                reads += payload is not None and len(payload) == 1 << 16
+    finally:
+        for w in writers:
+            _, err = w.communicate(timeout=300)
+            assert w.returncode == 0, err[-2000:]
+    assert reads > 200, "the reader hardly overlapped the writers"
+    assert not failures, f"{len(failures)} of {reads + len(failures)} reads failed: {failures[0]}"
+    assert len(cache._read_entry("k")) == 1 << 16
+
+
+def test_prune_skips_a_sidecar_discarded_meanwhile(cache_dir):
+    """Another process may discard a corrupt entry while prune walks the sidecars."""
+    cache = CompileCache(cache_dir, use_xla_cache=False)
+    cache._write_entry("kept", b"payload", {"model": "tiny"})
+    (cache.exe_dir / "gone.json").symlink_to(cache.exe_dir / "no-such-file")  # listed, then unreadable: deleted
+    assert cache.prune({"tiny"}, {"kept"}) == 0
+    assert cache._read_entry("kept") == b"payload"
+
+
 _XLA_CHILD = """
-import json, sys
+import json, os, sys
+os.umask(0o022)
 from jaxserve.compile_cache import CompileCache, compile_count, xla_cache_hits
 from jaxserve.models.bert import BERT_CONFIGS, init_bert
 from jaxserve.polymorph import PolymorphTable, pad_token_batch
@@ -159,10 +246,12 @@ cache = CompileCache(sys.argv[1], rebuild_serialized=sys.argv[2:] == ["rebuild"]
 table = PolymorphTable(bert_servable("tiny", cfg, ShapeGrid((1, 2), (16,))), cache)
 rows = table.warmup()
 counts = {"compiles": compile_count(), "hits": xla_cache_hits()}  # the grid's, before anything else runs
-w = weights_of(init_bert(cfg, seed=3))
+modes = {os.path.relpath(os.path.join(d, n), sys.argv[1]): os.stat(os.path.join(d, n)).st_mode & 0o777
+         for d, dirs, files in os.walk(sys.argv[1]) for n in dirs + files}  # after the grid, before anything else
+w = weights_of(init_bert(cfg, seed=3))  # compiles outside the cache: jax writes its XLA-cache files 0644 (umask)
 emb = [table.run(c, w, *pad_token_batch([[101, 7, 8, 102]] * c.batch, c))["embedding"][0].tolist()
        for c in (Cell(1, 16), Cell(2, 16))]
-print(json.dumps({**counts, "sources": [r.source for r in rows], "emb": emb}))
+print(json.dumps({**counts, "sources": [r.source for r in rows], "emb": emb, "modes": modes}))
 """
 
 

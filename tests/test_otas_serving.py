@@ -31,10 +31,10 @@ pytestmark = pytest.mark.skipif(not (vit_demo_prompts_dir() / "accuracy.json").e
 def server(tmp_path_factory):
     # A cost model that prices every cell (1 ms + 0.5 ms per image; prompts cost more, merging
     # less), so start-up skips timing: the test is about serving, not about this machine's speed.
-    cache = tmp_path_factory.mktemp("cache")
+    cache, cost = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("cost") / "cost.json"
     latency = LatencyProfile("vit-demo", {c: (1 + 0.5 * c.batch) * (1 + 0.05 * c.gamma) / 1e3 for c in GRID.cells()})
-    save_cost_model(cache / "cost.json", CostModel(latency={"vit-demo": latency}))
-    settings = ServeSettings(models=("vit-demo",), cache_dir=str(cache), policy="otas", cost_model=str(cache / "cost.json"),
+    save_cost_model(cost, CostModel(latency={"vit-demo": latency}))
+    settings = ServeSettings(models=("vit-demo",), cache_dir=str(cache), policy="otas", cost_model=str(cost),
                              max_queue=128, progress=False, image_grid=GRID)
     with LiveServer(settings) as s:
         yield s
