@@ -49,6 +49,7 @@ def cmd_warmup(args) -> int:
         keep = set().union(*(rt.table.keys() for rt in runtimes.values()))
         removed = cache.prune({rt.table.servable.name for rt in runtimes.values()}, keep, args.precision)
         print(f"pruned {removed} stale entries of {', '.join(runtimes)}")
+    cache.restrict_modes()  # jax writes XLA-cache files with the umask's mode
     print(f"manifest: {Path(args.cache_dir) / 'manifest.json'}  ({time.perf_counter() - t0:.1f} s)")
     return 0
 
@@ -125,10 +126,15 @@ def _api_key(text: str) -> str:
 
 
 def _cache_dir(text: str) -> str:
-    """A directory this user can create (owner-only, as CompileCache makes it) and write."""
+    """A directory this user can create (owner-only, as CompileCache makes it) and write, and
+    that may become a cache (``check_cache_root``: not a project's or someone else's)."""
+    from jaxserve.compile_cache import CacheDirError, check_cache_root
+
     path = Path(text)
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    try:
+        check_cache_root(path)
+    except CacheDirError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as exc:
@@ -532,6 +538,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except MissingAsset as exc:
         print(f"jaxserve {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as exc:  # what a run finds wrong with its files or values (a cost model
+        # that is not one, a gamma the prompt repository lacks, a directory that cannot be the cache):
+        # one line that says so, not a traceback; anything else is a bug and keeps its traceback
+        print(f"jaxserve {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: the shell's exit code, no traceback
         print(f"jaxserve {args.command}: interrupted", file=sys.stderr)

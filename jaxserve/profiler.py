@@ -155,7 +155,13 @@ def save_cost_model(path: str | Path, cost: CostModel) -> None:
 
 
 def load_cost_model(path: str | Path) -> CostModel:
-    return CostModel.from_json(Path(path).read_text())
+    """The cost model saved at ``path``; ValueError naming the file if it is not one."""
+    text = Path(path).read_text()
+    try:
+        return CostModel.from_json(text)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path} is not a jaxserve cost model ({type(exc).__name__}: {exc}); "
+                         "write one with jaxserve profile") from None
 
 
 def save_staircase(path: str | Path, model: str, batch: int, lengths, seconds, buckets) -> None:

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -215,6 +216,8 @@ def test_simulate_replays_a_trace_file(tmp_path):
     (["train-prompts", "--prompts", "2,-4"], "--prompts"),
     (["warmup", "--cache-dir", "/proc/no-cache-here"], "cannot create"),
     (["serve", "--cache-dir", __file__], "is not a directory"),
+    # a directory that holds other things is not made owner-only and taken over as the cache
+    (["warmup", "--cache-dir", str(Path(__file__).parent)], "is not a jaxserve cache"),
 ])
 def test_bad_flags_are_usage_errors_before_any_work(argv, needle, capsys):
     """Every numeric flag is checked as it is parsed: exit 2 with argparse's message naming
@@ -226,6 +229,24 @@ def test_bad_flags_are_usage_errors_before_any_work(argv, needle, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert needle in err and argv[1] in err, err
+
+
+def test_what_a_run_finds_wrong_is_one_line_not_a_traceback(tmp_path):
+    """Files or values found wrong once a command runs (a cost model that is not one, gammas the
+    prompt repository was not trained for) end it with exit 1 and one line naming the problem."""
+    tests_dir_mode = Path(__file__).parent.stat().st_mode
+    (tmp_path / "empty.json").write_text("{}")
+    for argv, needle in [
+        (["simulate", "--cost-model", str(Path(__file__).parent.parent / "README.md")], "not a jaxserve cost model"),
+        (["simulate", "--cost-model", str(tmp_path / "empty.json")], "KeyError: 'latency'"),
+        (["warmup", "--model", "vit-demo", "--gammas=0,3", "--batch-sizes", "1", "--cache-dir", str(tmp_path / "c")],
+         "lacks [('digits', 3)"),
+    ]:
+        out = run(*argv)
+        assert out.returncode == 1, out.stderr[-2000:]
+        assert out.stderr.startswith(f"jaxserve {argv[0]}: error: ") and needle in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
+    assert Path(__file__).parent.stat().st_mode == tests_dir_mode
 
 
 def test_https_needs_both_certificate_and_key(capsys):
