@@ -451,3 +451,56 @@ def test_infaas_never_loses_a_request():
     batches, evicted = drive(p, requests, price=lambda b: by_name[b.model].latency(b.cell))
     assert sorted([i for b in batches for i in b.request_ids] + evicted) == [r.id for r in requests]
     assert len({b.model for b in batches}) >= 2 and p.counters["switches"] >= 1
+
+
+# --------------------------------------------------------------------------- serving glue
+
+
+class _Runtime:
+    """What make_otas_policy reads of a model runtime: its grid, served task heads, accuracy."""
+
+    def __init__(self, accuracy, heads=("c10", "c100"), grid=GRID):
+        self.grid, self.accuracy, self.heads = grid, accuracy, {t: None for t in heads}
+
+
+def test_make_otas_policy_refuses_an_accuracy_profile_with_holes():
+    from jaxserve.sched.base import CostModel
+    from jaxserve.sched.otas import make_otas_policy
+
+    cost = CostModel(latency={"vit": LAT})
+    holes = {**ACC, "c100": {g: a for g, a in ACC["c100"].items() if g not in (-5, 8)}}
+    with pytest.raises(ValueError, match=r"'c100' at gammas \[-5, 8\]"):
+        make_otas_policy("otas", {"vit": _Runtime(accuracy_profile(acc=holes))}, cost)
+    # A served task (a runtime head) the profile does not know at all.
+    with pytest.raises(ValueError, match=r"'svhn' at gammas \[-10, -5, 0, 2, 8\]"):
+        make_otas_policy("otas", {"vit": _Runtime(ACCP, heads=("c10", "c100", "svhn"))}, cost)
+    # A fixed-gamma policy only needs its own gamma: PetS runs at 0, which c100 still has.
+    assert isinstance(make_otas_policy("pets", {"vit": _Runtime(accuracy_profile(acc=holes))}, cost), PetSPolicy)
+    with pytest.raises(ValueError, match=r"'c100' at gammas \[8\]"):
+        make_otas_policy("vpt", {"vit": _Runtime(accuracy_profile(acc=holes))}, cost, {"vpt_gamma": 8})
+    # Covered: every request is planned (no KeyError at plan time).
+    policy = make_otas_policy("otas", {"vit": _Runtime(ACCP)}, cost)
+    policy.on_arrival(req(0, 0.0, task="c100"), 0.0)
+    assert [b.request_ids for b in policy.plan(0.0, [0]).batches] == [(0,)]
+
+
+def test_make_otas_policy_takes_explicit_gammas_literally():
+    from jaxserve.sched.base import CostModel
+    from jaxserve.sched.otas import make_otas_policy
+
+    cost = CostModel(latency={"vit": LAT})
+    rt = {"vit": _Runtime(ACCP)}
+    assert make_otas_policy("tome", rt, cost).gamma == -10  # default: the most negative
+    assert make_otas_policy("tome", rt, cost, {"tome_gamma": None}).gamma == -10  # the CLI's "not given"
+    assert make_otas_policy("tome", rt, cost, {"tome_gamma": -5}).gamma == -5
+    assert make_otas_policy("vpt", rt, cost).gamma == 2
+    assert make_otas_policy("vpt", rt, cost, {"vpt_gamma": 8}).gamma == 8
+    # gamma 0 is neither ToMe nor VPT: refused, not silently replaced by the default.
+    with pytest.raises(ValueError, match="negative"):
+        make_otas_policy("tome", rt, cost, {"tome_gamma": 0})
+    with pytest.raises(ValueError, match="positive"):
+        make_otas_policy("vpt", rt, cost, {"vpt_gamma": 0})
+    with pytest.raises(ValueError, match=r"tome_gamma=-3 is not a gamma of the grid"):
+        make_otas_policy("tome", rt, cost, {"tome_gamma": -3})
+    with pytest.raises(ValueError, match=r"vpt_gamma=4 is not a gamma of the grid"):
+        make_otas_policy("vpt", rt, cost, {"vpt_gamma": 4})

@@ -210,6 +210,33 @@ def test_prompt_training_freezes_the_backbone_and_learns(model):
     assert repo.meta["prompt_counts"] == [0, 2]
 
 
+def test_each_prompt_count_trains_from_its_own_copy_of_the_base_head(model):
+    """The train step donates its params; every P > 0 fit starts from the same P = 0 head, so
+    fit must not consume the caller's arrays (on a GPU the second P crashed: "Array has been
+    deleted"). fit is called directly: through train_repository a zero-copy numpy view of the
+    head happens to block donation on CPU and hides the bug."""
+    import jax
+    import jax.numpy as jnp
+
+    from training.data import DigitsSplit
+    from training.train_prompts import PromptSettings, _Trainer, init_prompts
+
+    rng = np.random.default_rng(0)
+    images = rng.random((32, CONFIG.image_size, CONFIG.image_size, CONFIG.num_channels), dtype=np.float32)
+    split = DigitsSplit(images, (images.mean(axis=(1, 2, 3)) > 0.5).astype(np.int32))
+    graphdef, state = nnx.split(model)
+    trainer = _Trainer(graphdef, state, CONFIG, "replace")
+    base = {"head_w": jnp.full((D, 2), 0.1), "head_b": jnp.zeros((2,))}
+    settings = PromptSettings(epochs=1, batch_size=16)
+    for p in (2, 4):
+        params = {**base, "prompts": jnp.asarray(init_prompts(CONFIG, p, p))}
+        trained, losses, acc = trainer.fit(params, split, split, p, settings, f"P={p}", progress=False)
+        assert trained["prompts"].shape == (L, p, D) and len(losses) == 1 and 0.0 <= acc <= 1.0
+        assert not any(x.is_deleted() for x in jax.tree.leaves(base))
+        assert not any(x.is_deleted() for x in jax.tree.leaves(params))
+    np.testing.assert_array_equal(np.asarray(base["head_w"]), np.float32(0.1))  # the base is left as it was
+
+
 def test_cli_defaults_match_prompt_settings():
     from jaxserve.cli import train_prompts_arguments
     from jaxserve.prompts import DIGIT_TASKS

@@ -1,5 +1,7 @@
 """ToMe bipartite soft matching and size-weighted merging (jaxserve/models/tome.py)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,3 +111,24 @@ def test_gamma_settings():
     b16 = VIT_CONFIGS["vit-b16"]
     merge_r, _ = gamma_settings(b16, -16)  # ToMe's ViT-B r=16: its own clamp bites in the last layer
     assert merge_r == (16,) * 11 + (10,) and token_counts(b16, merge_r)[-1] == 1 + 196 - 176 - 10
+
+
+def test_merge_clamped_to_zero_is_identity(pixels):
+    # 6 layers at r=8: 17 -> 9 -> 5 -> 3 -> 2, then one mergeable token (set B empty), so r clamps to 0.
+    config = dataclasses.replace(CONFIG, num_layers=6)
+    merge_r = (8,) * 6
+    assert token_counts(config, merge_r) == (9, 5, 3, 2, 2, 2)
+    deep = ViT(config, rngs=nnx.Rngs(0))
+    out = forward(deep, pixels, merge_r=merge_r, return_tokens=True)
+    assert out["tokens"].shape[1] == 2
+    # The layers whose r clamps to 0 change nothing: same as not asking them to merge.
+    same = forward(deep, pixels, merge_r=(8, 8, 8, 8, 0, 0), return_tokens=True)
+    np.testing.assert_array_equal(np.asarray(out["logits"]), np.asarray(same["logits"]))
+
+    x = jax.random.normal(jax.random.key(0), (2, 2, 4))
+    size = jnp.array([[1.0, 3.0], [2.0, 5.0]])
+    plan = match(x, 8, 1)
+    assert plan.src_idx.shape == (2, 0)
+    new_x, new_size = merge(plan, x, size)
+    np.testing.assert_array_equal(np.asarray(new_x), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(new_size), np.asarray(size))

@@ -139,6 +139,9 @@ class _Trainer:
         steps = settings.epochs * (len(split) // settings.batch_size)
         tx = make_optimizer(settings, steps)
         step = self._step(num_prompts, tx, (num_prompts, steps, settings))
+        # The step donates params: train a copy, so the caller's arrays (e.g. the P = 0 head every
+        # P > 0 fit starts from) survive the first step on backends that honour donation (GPU).
+        params = jax.tree.map(jnp.copy, params)
         opt_state = tx.init(params)
         losses = []
         bar = tqdm(range(settings.epochs), desc=desc, disable=not progress, leave=False)

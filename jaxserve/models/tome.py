@@ -54,9 +54,15 @@ def bipartite_soft_matching(metric: jax.Array, r: int, num_protected: int = 1) -
 
     metric: [B, T, C] per-token features to match on (keys averaged over heads); r is clamped with
     `clamp_merge_r`. The first `num_protected` tokens are never merged (see module docstring).
+    When the clamped r is 0 (e.g. a single mergeable token, so set B is empty) the plan is the
+    identity, which `merge_wavg` skips.
     """
     batch, num_tokens, _ = metric.shape
     r = clamp_merge_r(r, num_tokens, num_protected)
+    if r == 0:
+        empty = jnp.zeros((batch, 0), jnp.int32)
+        kept_idx = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (batch, num_tokens))
+        return MergePlan(kept_idx=kept_idx, src_idx=empty, dst_slot=empty)
     a_pos = jnp.arange(num_protected, num_tokens, 2)  # set A: every other mergeable token
     b_pos = jnp.arange(num_protected + 1, num_tokens, 2)  # set B: the ones in between
     num_a, num_b = a_pos.shape[0], b_pos.shape[0]
@@ -82,8 +88,10 @@ def merge_wavg(plan: MergePlan, x: jax.Array, size: jax.Array) -> tuple[jax.Arra
     """Apply a plan: size-weighted average of merged tokens (ToMe §3, "Tracking Token Size").
 
     x: [B, T, D]; size: [B, T] tokens each row stands for. Returns ([B, T - r, D], [B, T - r]); the
-    sizes still sum to the original token count.
+    sizes still sum to the original token count. A plan that merges nothing returns (x, size).
     """
+    if plan.src_idx.shape[-1] == 0:
+        return x, size
 
     def one(kept_idx, src_idx, dst_slot, x, size):
         weighted = x * size[:, None]

@@ -883,10 +883,13 @@ def make_otas_policy(name: str, runtimes: Mapping, cost: CostModel, options: Opt
     OTAS plans one request stream on one sequential executor (Sec. III-A), so exactly one
     model must be served. Latency comes from the cost model; accuracy from the cost model if
     it has it, else from the runtime's profiled ``accuracy`` (the prompt repository's
-    accuracy.json). ``options``: ``batching`` / ``otas`` (dicts of :class:`BatchingParams` /
+    accuracy.json); it must cover every served task (the runtime's heads and the profiled
+    tasks) at every gamma the policy may pick (all the grid's for ``otas``), else ValueError.
+    ``options``: ``batching`` / ``otas`` (dicts of :class:`BatchingParams` /
     :class:`OTASParams` fields), ``tome_gamma`` (default: the grid's most negative gamma),
-    ``vpt_gamma`` (default 2), ``record_limit`` (default 100 000). The INFaaS baseline needs
-    several model variants and runs in the simulator only (bench/otas_utility.py).
+    ``vpt_gamma`` (default 2), ``record_limit`` (default 100 000); a given gamma must be one of
+    the grid's. The INFaaS baseline needs several model variants and runs in the simulator
+    only (bench/otas_utility.py).
     """
     options = dict(options or {})
     if name not in OTAS_POLICY_NAMES:
@@ -909,10 +912,28 @@ def make_otas_policy(name: str, runtimes: Mapping, cost: CostModel, options: Opt
     elif name == "pets":
         policy = PetSPolicy(model, latency, accuracy, grid, batching=batching)
     elif name == "tome":
-        gamma = options.get("tome_gamma") or min(grid.gammas)
+        gamma = _grid_gamma(options, "tome_gamma", min(grid.gammas), grid)
         policy = FixedToMePolicy(model, latency, accuracy, grid, gamma=gamma, batching=batching)
     else:
-        policy = FixedVPTPolicy(model, latency, accuracy, grid, gamma=options.get("vpt_gamma") or 2,
+        policy = FixedVPTPolicy(model, latency, accuracy, grid, gamma=_grid_gamma(options, "vpt_gamma", 2, grid),
                                 batching=batching)
+    # Every served task must be priced at every gamma the policy may pick: a hole would make
+    # plan() raise for as long as such a request stays queued.
+    tasks = sorted(set(getattr(rt, "heads", None) or ()) | {t for (t, _) in accuracy.accuracy})
+    for task in tasks:
+        missing = [g for g in policy._pricer.gammas if (task, g) not in accuracy.accuracy]
+        if missing:
+            raise ValueError(f"the accuracy profile of {model} has no accuracy for task {task!r} at gammas "
+                             f"{missing}; re-profile it (`jaxserve train-prompts` or `jaxserve profile --accuracy`)")
     policy.record_limit = options.get("record_limit", 100_000)
     return policy
+
+
+def _grid_gamma(options: Mapping, key: str, default: int, grid: ShapeGrid) -> int:
+    """``options[key]`` if given (0 included), else ``default``; a given gamma must be in the grid."""
+    gamma = options.get(key)
+    if gamma is None:
+        return default
+    if gamma not in grid.gammas:
+        raise ValueError(f"{key}={gamma} is not a gamma of the grid {grid.gammas}")
+    return gamma
