@@ -339,7 +339,7 @@ def decode_image(raw: Any, shape: tuple[int, int, int], index: int) -> np.ndarra
             data = base64.b64decode(raw, validate=True)
             with warnings.catch_warnings():  # its size is checked below, before any decoding:
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # no bomb goes off
-                img = Image.open(io.BytesIO(data))  # reads the header only
+                img = Image.open(io.BytesIO(data), formats=["PNG"])  # reads the header only
         except (binascii.Error, ValueError, UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
             raise ApiError(422, f"{where}: not a decodable base64 PNG image ({exc})", where) from None
         # Size and mode are checked from the header, before any pixel is decoded: a tiny PNG
@@ -352,13 +352,17 @@ def decode_image(raw: Any, shape: tuple[int, int, int], index: int) -> np.ndarra
                                 f"{c} channel(s) (PNG mode {mode})", where)
         try:
             img.load()
-        except (ValueError, OSError) as exc:
-            raise ApiError(422, f"{where}: not a decodable base64 PNG image ({exc})", where) from None
+        except Exception as exc:  # whatever the decoder makes of damaged data (OSError, SyntaxError, ...)
+            raise ApiError(422, f"{where}: not a decodable base64 PNG image ({type(exc).__name__}: {exc})",
+                           where) from None
         arr = np.asarray(img, dtype=np.float32) / 255.0
         return arr.reshape(h, w, c)
-    try:
-        arr = np.asarray(raw, dtype=np.float32)
-    except (ValueError, TypeError):
+    try:  # no dtype yet: strings, booleans or integers beyond float range must not become pixels
+        arr = np.asarray(raw)
+        if arr.dtype.kind not in "iuf":
+            raise TypeError(arr.dtype)
+        arr = arr.astype(np.float32)
+    except (ValueError, TypeError, OverflowError):
         raise ApiError(422, f"{where}: nested arrays must be a regular grid of numbers", where) from None
     if arr.ndim == 2 and c == 1:
         arr = arr[..., None]

@@ -26,7 +26,11 @@ SloMs = Annotated[float | None, Field(default=None, gt=0, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields are refused, and so are values of another JSON type than the field's:
+    pydantic's lax mode would read ``"slo_ms": true`` as 1 ms, ``"truncate": "yes"`` as true
+    and ``"dimensions": "384"`` as 384 (an integer is still a number for a float field)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class EmbeddingsRequest(_Strict):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures as cf
 import contextlib
+import io
 import json
 import socket
 import ssl
@@ -176,6 +177,15 @@ def test_bad_input_gets_a_clear_error(client, path, payload, status, needle):
     assert needle in r.json()["error"]["message"] or needle in r.json()["error"].get("field", "")
 
 
+def _jpeg_base64() -> str:
+    """A well-formed 32x32 grayscale JPEG: a decodable image, but the API takes PNG only."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("L", (32, 32), 128).save(buf, format="JPEG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
 def test_errors_name_the_field_in_one_format(client):
     """Whatever rejects a request (pydantic, FastAPI's parser, the router) answers the API's
     JSON error naming the field as a client writes it; text that is not valid Unicode is a
@@ -195,6 +205,15 @@ def test_errors_name_the_field_in_one_format(client):
         (post("/v1/classify/image", {"inputs": [None]}), 422, "inputs[0]", "a string or a list"),
         (post("/v1/embeddings", {"input": "x", "slo_ms": float("inf")}), 422, "slo_ms", "finite"),
         (post("/v1/classify/text", {"inputs": ["x"], "utility": float("inf")}), 422, "utility", "finite"),
+        # another JSON type is not coerced: true is not 1 ms, "yes" not true, "384" not 384
+        (post("/v1/embeddings", {"input": "x", "slo_ms": True}), 422, "slo_ms", "number"),
+        (post("/v1/embeddings", {"input": "x", "truncate": "yes"}), 422, "truncate", "true or false"),
+        (post("/v1/embeddings", {"input": "x", "dimensions": "384"}), 422, "dimensions", "integer"),
+        (post("/v1/classify/image", {"inputs": [[[0.5, "0.5"]]]}), 422, "inputs[0]", "grid of numbers"),
+        (post("/v1/classify/image", {"inputs": [[[True] * 32] * 32]}), 422, "inputs[0]", "grid of numbers"),
+        (post("/v1/classify/image", content='{"inputs": [[[0.5, 1%s]]]}' % ("0" * 400)), 422, "inputs[0]",
+         "grid of numbers"),
+        (post("/v1/classify/image", {"inputs": [_jpeg_base64()]}), 422, "inputs[0]", "PNG"),
         (post("/v1/embeddings", content=b"{\"input\": [1,", ctype="application/json"), 422, "body", "malformed JSON"),
         (post("/v1/embeddings", {"input": "x"}, ctype="text/plain"), 415, "content-type", "application/json"),
         (post("/v1/embeddings", content="[" * 100_000 + "]" * 100_000), 400, "body", "pars"),
