@@ -181,24 +181,31 @@ class Engine:
             )
         now = self.clock()
         futures = []
-        for item in items:
-            rid = next(self._ids)
-            slo_ms = item.slo_ms if item.slo_ms is not None else self.default_slo_ms
-            deadline = now + slo_ms / 1000.0 if slo_ms is not None else math.inf
-            request = Request(rid, now, item.model, item.task, item.length, deadline, item.utility)
-            fut = self._loop.create_future()
-            self._queued[rid] = _Pending(item, request, fut)
-            self.policy.on_arrival(request, now)
-            futures.append(fut)
+        try:
+            for item in items:
+                rid = next(self._ids)
+                slo_ms = item.slo_ms if item.slo_ms is not None else self.default_slo_ms
+                deadline = now + slo_ms / 1000.0 if slo_ms is not None else math.inf
+                request = Request(rid, now, item.model, item.task, item.length, deadline, item.utility)
+                self.policy.on_arrival(request, now)  # may refuse the item (raises): not queued then
+                fut = self._loop.create_future()
+                self._queued[rid] = _Pending(item, request, fut)
+                futures.append(fut)
+        except Exception:
+            # the request fails as a whole: its items admitted before the refused one are taken
+            # back, so they neither run for nobody nor hold queue places (and a drain) for ever
+            self.withdraw(futures, counted=False)
+            raise
         self._schedule()
         return futures
 
-    def withdraw(self, futures: Sequence[asyncio.Future]) -> int:
+    def withdraw(self, futures: Sequence[asyncio.Future], counted: bool = True) -> int:
         """Withdraw the items of ``futures`` that are still queued (their client went
         away): the policy forgets them (``Policy.withdraw``) and their futures are
         cancelled. Items already dispatched, answered, or that the policy cannot take
         back (a policy without ``withdraw``) are left to finish. Returns how many were
-        withdrawn. O(queued items)."""
+        withdrawn. O(queued items). ``counted=False``: not a client's leaving (a refused
+        request taking back its own items), so not an outcome in the stats."""
         forget = getattr(self.policy, "withdraw", None)
         if forget is None or not futures:
             return 0
@@ -211,7 +218,7 @@ class Engine:
                 p.future.cancel()
                 n += 1
         if n:
-            self.stats.outcomes["withdrawn"] += n
+            self.stats.outcomes["withdrawn"] += n if counted else 0
             self._schedule()  # a plan that waited on the withdrawn head may now change
         return n
 

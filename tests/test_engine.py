@@ -191,3 +191,22 @@ def test_a_request_larger_than_the_queue_is_refused_for_good_not_asked_to_retry(
         engine.close()
 
     asyncio.run(scenario())
+
+
+def test_a_request_refused_by_the_policy_leaves_nothing_of_itself_queued(table):
+    """The policy refuses the third item (longer than every bucket) after taking the first two:
+    the request fails as a whole, and those two are taken back, not left to run for nobody
+    and to hold queue places (and a drain) for ever."""
+    async def scenario():
+        engine = make_engine(table, weights_of(init_bert(CFG)))
+        blocker = engine.submit(items(4))  # a full batch keeps the one instance busy meanwhile
+        refused = items(2) + [Item("tiny", list(range(101, 131)), 30, "", None)]
+        with pytest.raises(ValueError, match="does not fit the buckets"):
+            engine.submit(refused)
+        assert engine.queue_depth == 0 and engine.stats.outcomes["withdrawn"] == 0
+        assert len(await asyncio.gather(*blocker)) == 4
+        assert await engine.drain(timeout_s=5)
+        assert engine.stats.outcomes["ok"] == 4  # the refused request's items never ran
+        engine.close()
+
+    asyncio.run(scenario())
