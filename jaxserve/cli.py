@@ -196,7 +196,7 @@ def cmd_serve(args) -> int:
         models=_models(args), cache_dir=args.cache_dir, policy=args.policy, instances=args.instances,
         max_queue=args.max_queue, max_wait_ms=args.max_wait_ms, cost_model=args.cost_model, precision=args.precision,
         api_key=args.api_key, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-        **{k: getattr(args, k) for k in ("max_body_bytes", "header_timeout_s", "body_timeout_s")
+        **{k: getattr(args, k) for k in ("max_body_bytes", "header_timeout_s", "body_timeout_s", "drain_grace_s")
            if getattr(args, k) is not None},  # unset: ServeSettings' defaults
         **_served(args), extra=_otas_extra(args),
         slo_ms=args.slo_ms, arlo_period_s=args.arlo_period_s, arlo_max_batch=args.arlo_max_batch,
@@ -468,6 +468,10 @@ def main(argv: list[str] | None = None) -> int:
                          "else 408)")
     sp.add_argument("--body-timeout-s", type=POSITIVE, default=None,
                     help="a request body must arrive within this after its headers (default 60; else 408)")
+    sp.add_argument("--drain-grace-s", type=NON_NEGATIVE, default=None,
+                    help="after SIGTERM, stay listening this long, not ready (/readyz 503) and refusing new "
+                         "work (503), so a load balancer can stop routing here before connections are "
+                         "refused; then shut down (default 0)")
     served(sp)
     sp.add_argument("--slo-ms", type=POSITIVE, default=None,
                     help="the deadline of every request that sends no slo_ms of its own (default: none); "

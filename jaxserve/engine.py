@@ -158,8 +158,13 @@ class Engine:
 
     @property
     def draining(self) -> bool:
-        """True once :meth:`drain` has begun: nothing new is admitted."""
+        """True once :meth:`drain` or :meth:`stop_admitting` has begun: nothing new is admitted."""
         return self._draining
+
+    def stop_admitting(self) -> None:
+        """Refuse new work from now on (``Draining``), and say so (``draining``), while what was
+        accepted runs on: the start of a drain, before anything waits for it to finish."""
+        self._draining = True
 
     @property
     def in_flight(self) -> int:
@@ -352,7 +357,7 @@ class Engine:
 
     async def drain(self, timeout_s: float = 30.0) -> bool:
         """Stop admitting, finish everything accepted; True when nothing was left behind."""
-        self._draining = True
+        self.stop_admitting()
         if self.in_flight == 0:
             return True
         self._idle_event = asyncio.Event()

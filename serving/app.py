@@ -123,6 +123,13 @@ def error_body(status: int, message: str, field: str | None = None) -> dict:
     return body
 
 
+# Retry-After of a 503: a warming server is minutes from ready at most (a default grid warms in
+# about a minute from an empty cache, seconds from a warm one); a draining one is going away,
+# and whatever answers at its address next (its replacement) may take the retry.
+WARMING_RETRY = {"Retry-After": "5", "retry-after-ms": "5000"}
+DRAINING_RETRY = {"Retry-After": "1", "retry-after-ms": "1000"}
+
+
 def _error(status: int, message: str, field: str | None = None, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, field), status_code=status, headers=headers)
 
@@ -415,8 +422,9 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
 
     def engine() -> Engine:
         if state.engine is None:
-            raise ApiError(503, "models are still warming up" if state.warm_error is None
-                           else f"warmup failed: {state.warm_error}")
+            if state.warm_error is not None:  # the server exits: no point in coming back
+                raise ApiError(503, f"warmup failed: {state.warm_error}")
+            raise ApiError(503, "models are still warming up", headers=WARMING_RETRY)
         return state.engine
 
     def runtime(model: str, kind: str):
@@ -466,7 +474,7 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
             raise ApiError(429, str(exc), headers={"Retry-After": str(max(1, -(-ms // 1000))),
                                                    "retry-after-ms": str(ms)})
         except Draining as exc:
-            raise ApiError(503, str(exc))
+            raise ApiError(503, str(exc), headers=DRAINING_RETRY)
         answers = asyncio.gather(*futures, return_exceptions=True)
         gone = asyncio.ensure_future(_client_gone(http.receive))
         try:

@@ -13,6 +13,7 @@ import json
 import logging
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -43,6 +44,7 @@ class ServeSettings:
     max_body_bytes: int = 8 * 1024 * 1024
     header_timeout_s: float = 20.0  # connect to end of request headers (and between keep-alive requests' headers)
     body_timeout_s: float = 60.0  # end of headers to end of body
+    drain_grace_s: float = 0.0  # after SIGTERM: not ready and refusing work, but listening, this long
     api_key: str | None = field(default=None, repr=False)  # None: open; else Bearer auth (serving.app.Guard)
     ssl_certfile: str | None = None  # with ssl_keyfile: serve HTTPS
     ssl_keyfile: str | None = None
@@ -444,6 +446,43 @@ def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, acce
                           http=timed_protocol(settings.header_timeout_s, app.state.metrics.read_timeout))
 
 
+def graceful_server(config, app: FastAPI):
+    """uvicorn's server, with ``settings.drain_grace_s`` between SIGTERM and its shutdown.
+
+    uvicorn closes its listening socket as soon as SIGTERM lands, so a load balancer still
+    routing here during the seconds its health checks need to notice meets refused
+    connections (Kubernetes users add a ``preStop: sleep`` for this). With a grace, the
+    first SIGTERM of a ready server instead turns it not-ready (``/readyz`` 503 "shutting
+    down") and makes it refuse new work (503 with Retry-After) while it keeps listening and
+    finishes what it accepted; after the grace, uvicorn's own shutdown runs (connections
+    close, accepted work drains, the process ends as SIGTERM would end it). A second
+    SIGTERM, Ctrl-C, or a server still warming skips the grace."""
+    import signal
+    import uvicorn
+
+    grace_s = app.state.settings.drain_grace_s
+
+    class GracefulServer(uvicorn.Server):
+        _exit_at: float | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            engine = app.state.jaxserve.engine
+            if sig == signal.SIGTERM and grace_s > 0 and self._exit_at is None and engine is not None:
+                engine.stop_admitting()
+                self._exit_at = time.monotonic() + grace_s
+                self._captured_signals.append(sig)  # re-raised after shutdown, as uvicorn does
+                log.info("SIGTERM: not ready, refusing new work; shutting down in %g s", grace_s)
+                return
+            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if self._exit_at is not None and time.monotonic() >= self._exit_at:
+                self.should_exit = True
+            return await super().on_tick(counter)
+
+    return GracefulServer(config)
+
+
 def _loopback(host: str) -> bool:
     import ipaddress
 
@@ -482,7 +521,7 @@ def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, ac
     except SystemExit:  # uvicorn has logged the OS error; say which address it was
         log.error("cannot listen on %s:%d; nothing was warmed", host, port)
         raise
-    server = uvicorn.Server(config)
+    server = graceful_server(config, app)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: its shutdown is done, no traceback

@@ -328,6 +328,9 @@ def test_a_server_stopped_while_it_warms_exits_without_finishing_the_grid(tmp_pa
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
+        early = httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"input": "too soon"}, timeout=10)
+        assert early.status_code == 503 and "warming up" in early.json()["error"]["message"], early.text
+        assert early.headers["retry-after"] == "5"  # come back when it may be ready
         proc.send_signal(signal.SIGINT)  # Ctrl-C: SIGTERM's re-raise ends the process anyway
         _, err = proc.communicate(timeout=300)
     finally:

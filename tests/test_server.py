@@ -376,6 +376,13 @@ def _series(url: str, prefix: str) -> float | None:
     return None
 
 
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/readyz", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def _until(what, timeout_s: float = 30.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -712,7 +719,45 @@ def test_readiness_turns_503_when_draining_begins(tmp_path):
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
         r = c.post("/v1/embeddings", json={"input": "too late"})
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        assert r.headers["retry-after"] == "1" and r.headers["retry-after-ms"] == "1000"  # its successor may
         assert c.get("/healthz").status_code == 200  # alive, just not taking work
+
+
+def test_sigterm_with_a_drain_grace_turns_unready_before_it_stops_listening(tmp_path):
+    """`serve --drain-grace-s`: after SIGTERM the server keeps its port open for the grace,
+    answering /readyz 503 (a load balancer's cue) and new work 503 with Retry-After, then
+    shuts down as without a grace. Without it, uvicorn refuses connections at once, while a
+    load balancer may still be routing here."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.cli", "serve", "--model", "vit-demo", "--port", str(port), "--cache-dir",
+         str(tmp_path / "cache"), "--batch-sizes", "1", "--drain-grace-s", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    image = {"inputs": [[[0.5] * 32] * 32]}
+    try:
+        assert _until(lambda: proc.poll() is None and _ready(url), timeout_s=300), "the server did not become ready"
+        assert httpx.post(url + "/v1/classify/image", json=image, timeout=30).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert _until(lambda: httpx.get(url + "/readyz", timeout=5).status_code == 503, timeout_s=3)
+        r = httpx.post(url + "/v1/classify/image", json=image, timeout=30)  # a new connection is still taken
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text
+        assert r.headers["retry-after"] == "1"
+        assert httpx.get(url + "/healthz", timeout=5).status_code == 200
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+        log = proc.stdout.read().decode()
+        assert "shutting down in 4 s" in log and "drained (clean)" in log, log[-2000:]
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/healthz", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_tight_slo_is_answered_evicted_not_dropped(client):
