@@ -22,11 +22,12 @@ unknown model or task                       404
 no such route / method                      404 / 405 (with Allow)
 more inputs than ``max_queue`` can hold     413
 queue full (admission control)              429 + Retry-After
-not warm yet / shutting down                503
+not warm yet / shutting down                503 + Retry-After
 a batch that failed twice on its worker     500
 anything unforeseen (a bug)                 500, logged with its traceback
 the client left before its answer (its      499 in the metrics and log (nobody
-queued items are withdrawn, never run)      is left to read it)
+queued items are withdrawn, never run), or  is left to read it)
+half-way through its body
 =========================================  ======
 
 Every error, whatever raised it, is JSON ``{"error": {"status", "message", "field", "type", "param",
@@ -252,8 +253,9 @@ class Guard:
                 if seen > self.limit:
                     raise self._too_large()
                 body_done = not message.get("more_body", False)
-            else:
-                body_done = True
+            elif not body_done:  # gone half-way through its body: 499 (nobody reads it), not the 400
+                # "error parsing the body" FastAPI makes of Starlette's ClientDisconnect
+                raise _BodyRefused(499, f"client closed the connection after {seen} bytes of its body")
             return message
 
         async def tracked(message):

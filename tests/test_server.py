@@ -517,6 +517,16 @@ def test_no_trickle_outlives_the_deadlines(server, client):
     assert answered.startswith(b"HTTP/1.1 404"), answered
     assert late.startswith(b"HTTP/1.1 408"), late
     assert _series(server.url, 'jaxserve_read_timeouts_total{phase="headers"}') == headers_before + 1
+    # and one that leaves half-way through its body is a 499 (client gone), not a 400 (bad body)
+    gone = 'jaxserve_requests_total{path="/v1/embeddings",status="499"}'
+    bad = 'jaxserve_requests_total{path="/v1/embeddings",status="400"}'
+    before = (_series(server.url, gone) or 0.0, _series(server.url, bad) or 0.0)
+    with socket.create_connection(("127.0.0.1", server.port)) as leaver:
+        leaver.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                       b"content-length: 100\r\n\r\n{\"input\": ")
+        time.sleep(0.3)  # the route is reading the body when the client goes
+    assert _until(lambda: (_series(server.url, gone) or 0.0) == before[0] + 1)
+    assert (_series(server.url, bad) or 0.0) == before[1]
     assert client.get("/healthz").status_code == 200
 
 
