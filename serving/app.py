@@ -481,6 +481,9 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
         gone = asyncio.ensure_future(_client_gone(http.receive))
         try:
             await asyncio.wait((answers, gone), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the handler itself is cancelled (uvicorn's shutdown timed out):
+            eng.withdraw(futures)  # what is still queued is for nobody now
+            raise
         finally:
             gone.cancel()
         if not answers.done():
