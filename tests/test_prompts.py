@@ -235,6 +235,9 @@ def test_each_prompt_count_trains_from_its_own_copy_of_the_base_head(model):
         assert not any(x.is_deleted() for x in jax.tree.leaves(base))
         assert not any(x.is_deleted() for x in jax.tree.leaves(params))
     np.testing.assert_array_equal(np.asarray(base["head_w"]), np.float32(0.1))  # the base is left as it was
+    # a batch larger than the split would train nothing (remainders are dropped) and report NaN
+    with pytest.raises(ValueError, match="--batch-size 64 exceeds the 32 training images"):
+        trainer.fit(params, split, split, 2, PromptSettings(epochs=1, batch_size=64), "P=2", progress=False)
 
 
 def test_cli_defaults_match_prompt_settings():

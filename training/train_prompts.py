@@ -136,6 +136,9 @@ class _Trainer:
 
     def fit(self, params: dict, split: DigitsSplit, eval_split: DigitsSplit, num_prompts: int,
             settings: PromptSettings, desc: str, progress: bool) -> tuple[dict, list[float], float]:
+        if len(split) < settings.batch_size:  # batches drop their remainder: nothing would train
+            raise ValueError(f"--batch-size {settings.batch_size} exceeds the {len(split)} training images "
+                             f"of {desc}; use at most {len(split)}")
         steps = settings.epochs * (len(split) // settings.batch_size)
         tx = make_optimizer(settings, steps)
         step = self._step(num_prompts, tx, (num_prompts, steps, settings))
