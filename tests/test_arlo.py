@@ -13,6 +13,7 @@ from jaxserve.sched.arlo import (
     AllocationProblem,
     ArloPolicy,
     InterGroupGreedy,
+    InterGroupGreedyByLoad,
     IntraGroupBalance,
     LatencyCurve,
     Move,
@@ -383,9 +384,10 @@ def test_dispatch_many_equals_sequential_dispatch():
     caps = [30, 25, 20, 15, 10, 8]
     loads = [[rng.randrange(c + 5) for _ in range(7)] for c in caps]
     lengths = [rng.randint(1, 768) for _ in range(500)]
-    a, b = dispatcher(loads, caps), dispatcher(loads, caps)
-    assert a.dispatch_many(lengths) == [b.dispatch(n) for n in lengths]
-    assert a.loads() == b.loads()
+    for cls in (MultiLevelDispatcher, IntraGroupBalance, InterGroupGreedy, InterGroupGreedyByLoad):
+        a, b = dispatcher(loads, caps, cls=cls), dispatcher(loads, caps, cls=cls)
+        assert a.dispatch_many(lengths) == [b.dispatch(n) for n in lengths], cls  # its own rule, not Alg. 1's
+        assert a.loads() == b.loads()
 
 
 def test_ilb_stays_in_the_own_runtime_and_ig_takes_the_least_congested():

@@ -1078,7 +1078,10 @@ class MultiLevelDispatcher:
         return e & _MASK
 
     def dispatch_many(self, lengths: Iterable[int]) -> list[int | None]:
-        """:meth:`dispatch` for a burst, in order, with the loop inlined (hot path)."""
+        """:meth:`dispatch` for a burst, in order: Alg. 1 with the loop inlined (hot path),
+        or, for a subclass with its own :meth:`choose_level`, one :meth:`dispatch` each."""
+        if type(self).choose_level is not MultiLevelDispatcher.choose_level:
+            return [self.dispatch(n) for n in lengths]
         level_of, nxt, heaps, keys, thresh = self._level_of, self._next, self._heaps, self._key, self._thresh
         peek, mask, one, shift = self.peek, _MASK, _ONE, _SHIFT
         get, top = keys.get, len(level_of) - 1
@@ -1134,9 +1137,6 @@ class IntraGroupBalance(MultiLevelDispatcher):
     def choose_level(self, length: int) -> int:
         return self._next[self.fitting_level(length)]
 
-    def dispatch_many(self, lengths: Iterable[int]) -> list[int | None]:
-        return [self.dispatch(n) for n in lengths]
-
 
 class InterGroupGreedy(MultiLevelDispatcher):
     """IG (§5.3): the least busy instance among *all* candidate runtimes.
@@ -1160,9 +1160,6 @@ class InterGroupGreedy(MultiLevelDispatcher):
                 best, best_p = j, p
             j = nxt[j + 1]
         return best
-
-    def dispatch_many(self, lengths: Iterable[int]) -> list[int | None]:
-        return [self.dispatch(n) for n in lengths]
 
 
 class InterGroupGreedyByLoad(InterGroupGreedy):

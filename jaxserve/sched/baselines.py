@@ -287,9 +287,6 @@ class FirstFitDispatcher(MultiLevelDispatcher):
             j = nxt[j + 1]
         return best
 
-    def dispatch_many(self, lengths: Iterable[int]) -> list[int | None]:
-        return [self.dispatch(n) for n in lengths]
-
 
 class HeadroomAllocator:
     """INFaaS-like, length-blind, load-reactive allocation (module docstring).
