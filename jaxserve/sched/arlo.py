@@ -21,9 +21,13 @@ The allocation problem, as implemented
 Runtimes ``i = 1..I`` are sorted by bucket. ``Q_i`` (integer) is the number of
 requests of bin ``i`` (lengths in ``(bucket_{i-1}, bucket_i]``) per *capacity
 window*; ``M_i >= 1`` (integer) is how many requests one instance of runtime ``i``
-serves within the SLO in that window; ``L_i(b)`` is the profiled mean latency of an
-instance of runtime ``i`` that carries a workload of ``b`` requests per window (the
-paper's "mapping from batch size to mean latency"); ``G`` instances in all::
+serves within the SLO in that window; ``L_i(b)`` is the latency of an instance of
+runtime ``i`` that carries a workload of ``b`` requests per window, read from the
+profiled latency of its executables (the paper's "mapping from batch size to mean
+latency"). Decision: beyond one batch, ``L_i(b)`` is the time to drain ``b`` requests
+in full batches (:class:`LatencyCurve`), i.e. the last request's latency, not the mean
+over the ``b`` (about half of it at batch 1): it is what decides whether the window's
+requests all meet the SLO, which is what ``M_i`` counts. ``G`` instances in all::
 
     min   sum_i  N_i * g^_i(C_i / N_i)                              (1)  [= sum L_i(B_i) C_i]
     s.t.  sum_i N_i = G                                             (2)
@@ -131,7 +135,7 @@ _INF = math.inf
 
 
 class LatencyCurve:
-    """``L(b)``: profiled mean latency (s) of one runtime at a workload of ``b`` requests.
+    """``L(b)``: latency (s) of one runtime at a workload of ``b`` requests (module docstring).
 
     Built from one ``(seq)`` column of a :class:`LatencyProfile` with exactly the
     profile's own rule (:meth:`LatencyProfile.latency_for`: linear between profiled
