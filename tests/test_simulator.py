@@ -346,3 +346,29 @@ def test_two_models_share_the_instances_and_keep_their_own_queues():
     for b, count in enumerate(r.batch_count):  # no batch mixes models
         members = r.batch == b
         assert len(set(trace.model[members].tolist())) == 1 and members.sum() == count
+
+
+@pytest.mark.parametrize("seed", [3, 37])
+def test_a_policy_that_plans_exactly_is_never_late_on_the_virtual_clock(seed):
+    """With service times exactly the cost model's, DeadlineBatching never starts a batch that
+    cannot meet its deadlines, so nothing is late. Its latest start is ``deadline - latency``,
+    and on a float clock that start plus the latency can land an ulp past the deadline: these
+    (non-dyadic) profiles and traces each made a request 'late' by under a microsecond."""
+    from jaxserve.traces import gamma_arrivals
+
+    rng = np.random.default_rng(seed)
+    batches = tuple(sorted(set(rng.choice([1, 2, 3, 4, 6, 8, 16], size=rng.integers(1, 5), replace=False).tolist())
+                           | {1}))
+    buckets = tuple(sorted(set(rng.choice([16, 32, 48, 64, 128], size=rng.integers(1, 4), replace=False).tolist())))
+    grid = ShapeGrid(batches, buckets)
+    a, c, q = rng.uniform(0.001, 0.005), rng.uniform(1e-6, 2e-5), rng.uniform(0.6, 1.0)
+    cost = CostModel({"m": LatencyProfile("m", {cl: a + c * cl.batch ** q * cl.seq for cl in grid.cells()})})
+    n = 3000
+    arrivals = gamma_arrivals(rng.uniform(50, 3000), rng.uniform(0.5, 4), n=n, seed=seed)
+    trace = make_trace(arrivals, model="m", length=sample_lengths(np.arange(1, max(buckets) + 1), n, seed=seed + 1),
+                       slo_s=rng.choice([0.01, 0.02, 0.05, 0.2, math.inf], n))
+    policy = DeadlineBatching({"m": grid}, cost, max_queue=int(rng.integers(5, 500)),
+                              max_wait=float(rng.choice([0, 0.002, 0.01])))
+    r = simulate(policy, trace, cost, int(rng.integers(1, 4)))
+    assert r.outcome_counts()["late"] == 0
+    assert r.outcome_counts()["ok"] > 0
