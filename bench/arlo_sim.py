@@ -139,7 +139,7 @@ def scales_reading(red: dict[str, list[tuple[float, float]]], padding: float) ->
         f"CPU, where t(512)/t(64) is {ratio:.1f} rather than 4.2, and under bursts ST's padded requests overload it. "
         f"Against DT the outcome hinges on the dynamic-shape penalty: at 1.22 (the paper's best case for DT) "
         f"Arlo's mean changes by {span('DT (x1.22)', 0)} and its p98 by {span('DT (x1.22)', 1)}; at 2.08 (the "
-        f"middle of the paper's range) by {span('DT (x2.08)', 0)} and {span('DT (x2.08)', 1)}; the paper's -23.7% "
+        f"geometric middle of the paper's range) by {span('DT (x2.08)', 0)} and {span('DT (x2.08)', 1)}; the paper's -23.7% "
         f"to -30.7% lies in between. Two facts of this CPU drive it: with no staircase, Arlo's 64-token buckets "
         f"compute {padding - 1:.0%} more tokens than asked, about what DT's 1.22 costs; and DT pools every instance "
         f"while Arlo splits them into runtime groups, which costs queueing when the groups are small (10 "
