@@ -285,7 +285,9 @@ def cmd_simulate(args) -> int:
     from serving.server import ServeSettings, make_policy
 
     cost = load_cost_model(args.cost_model)
-    model = args.sim_model
+    model = args.sim_model or ("vit-demo" if args.policy in IMAGE_POLICIES else "minilm-l6")
+    if model not in cost.latency:
+        raise CliError(f"--sim-model {model}: {args.cost_model} prices {sorted(cost.latency)} only")
     profile = cost.latency[model]
     cells = profile.cells()
     from jaxserve.sched.base import ShapeGrid
@@ -304,12 +306,14 @@ def cmd_simulate(args) -> int:
         lengths = traces.sample_lengths(_tweet_lengths() if grid.seq_buckets else 0, len(arrivals), seed=args.seed)
         if grid.seq_buckets:
             lengths = np.minimum(lengths, grid.max_length)
-        trace = traces.make_trace(arrivals, model=model, length=lengths, slo_s=slo)
+        trace = traces.make_trace(arrivals, model=model, length=lengths, slo_s=slo, task=_tasks(cost, model, n=len(
+            arrivals), seed=args.seed))
     else:
         loaded = traces.load_trace(args.trace)
         models = np.where(loaded.model == "", model, loaded.model)  # a file without a model column
+        tasks = np.where(loaded.task == "", _tasks(cost, model, len(loaded.arrival), args.seed), loaded.task)
         trace = traces.make_trace(loaded.arrival, model=models, length=loaded.length, slo_s=loaded.slo_s,
-                                  utility=loaded.utility, task=loaded.task)
+                                  utility=loaded.utility, task=tasks)
 
     class _RT:  # the policy factory only needs each model's grid
         def __init__(self, g):
@@ -330,6 +334,18 @@ def cmd_simulate(args) -> int:
     summary["simulated_requests_per_minute"] = len(trace) / wall * 60
     print(json.dumps(summary, indent=1, default=float))
     return 0
+
+
+def _tasks(cost, model: str, n: int, seed: int):
+    """Tasks for requests that name none: for a model whose accuracy is profiled per task (OTAS
+    plans with it), drawn uniformly from those tasks (seeded); else none ("")."""
+    import numpy as np
+
+    profile = cost.accuracy.get(model)
+    names = sorted({task for task, _ in profile.accuracy}) if profile is not None else []
+    if not names:
+        return np.full(n, "", dtype=object)
+    return np.array(names, dtype=object)[np.random.default_rng(seed).integers(0, len(names), n)]
 
 
 def _tweet_lengths():
@@ -508,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sp = sub.add_parser("simulate", help="run a policy on a virtual clock")
     sp.add_argument("--cost-model", type=_existing_file, default="compiled_cache/cost_model.json")
-    sp.add_argument("--sim-model", default="minilm-l6")
+    sp.add_argument("--sim-model", default=None,
+                    help="the model to simulate (default: vit-demo under the OTAS policies, else minilm-l6)")
     sp.add_argument("--trace", default="poisson", help="poisson | mmpp | gamma | path to a trace CSV")
     sp.add_argument("--rate", type=POSITIVE, default=50.0)
     sp.add_argument("--cv", type=POSITIVE, default=2.0)

@@ -197,6 +197,27 @@ def test_simulate_replays_a_trace_file(tmp_path):
     assert sum(left[k] for k in ("ok", "late", "evicted", "rejected", "withdrawn", "abandoned")) == 300
 
 
+def test_simulate_runs_the_otas_policies_on_synthetic_traces(tmp_path):
+    """A synthetic trace names no task: under the OTAS family (which price accuracy per task)
+    each request gets one of the profiled tasks, and the image model is the default."""
+    from jaxserve.sched.base import AccuracyProfile
+
+    gammas = (-2, 0, 2)
+    cells = {Cell(b, 0, g): (0.002 + 0.001 * b) * (1 + 0.1 * g) for b in (1, 4) for g in gammas}
+    accuracy = {(t, g): 0.8 + 0.02 * g + (0.05 if t == "digits" else 0.0) for t in ("digits", "parity") for g in gammas}
+    cost = CostModel({"vit-demo": LatencyProfile("vit-demo", cells)},
+                     accuracy={"vit-demo": AccuracyProfile("vit-demo", accuracy)})
+    (tmp_path / "cost.json").write_text(cost.to_json())
+    for policy in ("otas", "pets", "tome", "vpt"):
+        out = run("simulate", "--cost-model", str(tmp_path / "cost.json"), "--policy", policy, "--requests", "400",
+                  "--rate", "200", "--slo-ms", "50")
+        assert out.returncode == 0, out.stderr[-2000:]
+        summary = json.loads(out.stdout)
+        assert summary["requests"] == 400 and summary["ok"] > 0, (policy, summary)
+    out = run("simulate", "--cost-model", str(tmp_path / "cost.json"), "--sim-model", "minilm-l6")
+    assert out.returncode == 2 and "prices ['vit-demo'] only" in out.stderr, out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["serve", "--instances", "0"], "argument --instances: expected an integer >= 1, got '0'"),
     (["serve", "--max-queue", "-3"], ">= 1"),
