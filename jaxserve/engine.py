@@ -143,7 +143,9 @@ class Engine:
         self._timer_at = math.inf
         self._draining = False
         self._left_queue: deque[tuple[float, int]] = deque()  # (when, items) run or evicted, last DRAIN_WINDOW_S
-        self._busy_since: float | None = None  # first dispatch: the drain rate's window starts no earlier
+        # start of the current busy spell (None while idle): the drain rate's window starts no earlier,
+        # so a burst after a quiet spell is not measured against the quiet seconds
+        self._busy_since: float | None = None
         self._idle_event: asyncio.Event | None = None
         self.compiles_at_ready = compile_count()
 
@@ -336,6 +338,9 @@ class Engine:
                         latency_ms=(now - p.request.arrival) * 1e3,
                     ))
         self._schedule()
+        if not self._queued and not self._running:  # idle: the next busy spell measures its own rate
+            self._busy_since = None
+            self._left_queue.clear()
 
     def _served_info(self, request_id: int) -> dict:
         """What the policy reports about how a request was served, merged into its answer's

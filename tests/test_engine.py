@@ -95,9 +95,9 @@ def test_retry_after_is_the_time_the_queue_takes_to_drain(table):
     async def scenario():
         engine = make_engine(table, weights_of(init_bert(CFG)), max_queue=5, clock=lambda: t[0])
         first = engine.submit(items(4))  # a full batch: dispatched at t = 0
+        second = engine.submit(items(4))  # waits for the one instance
         t[0] = 2.0
-        await asyncio.gather(*first)
-        second = engine.submit(items(4))  # dispatched at t = 2: 8 items left the queue in 2 s
+        await asyncio.gather(*first)  # second dispatched at t = 2: 8 items left the queue in 2 busy s
         queued = engine.submit(items(4))  # the instance is busy: these wait
         assert engine.queue_depth == 4
         with pytest.raises(Overloaded) as exc:
@@ -108,6 +108,16 @@ def test_retry_after_is_the_time_the_queue_takes_to_drain(table):
             engine.submit(items(2))
         assert exc.value.retry_after_s == pytest.approx(0.04)
         await asyncio.gather(*second, *queued)
+        # idle until t = 100, then a burst: its rate is measured over the 0.5 s it has been busy,
+        # not over the last 5 s, most of them quiet (4 left in 0.5 s -> 8/s -> 0.5 s for 4)
+        t[0] = 100.0
+        burst = engine.submit(items(4))
+        t[0] = 100.5
+        waiting = engine.submit(items(4))
+        with pytest.raises(Overloaded) as exc:
+            engine.submit(items(2))
+        assert exc.value.retry_after_s == pytest.approx(4 / (4 / 0.5))
+        await asyncio.gather(*burst, *waiting)
         engine.close()
 
     asyncio.run(scenario())
