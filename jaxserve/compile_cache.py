@@ -256,7 +256,7 @@ def _owner_only_dir(path: Path) -> Path:
     return path
 
 
-def _write_owner_only(path: Path, data: bytes) -> None:
+def write_owner_only(path: Path, data: bytes) -> None:
     """Write via a temporary file of this writer's own (two warmup jobs, or a server starting
     beside one, may write the same entry at once: with one shared temporary name they
     truncated each other's file and one replace found it gone) and an atomic rename, so a
@@ -394,8 +394,8 @@ class CompileCache:
         exists is complete, which prune and an interrupted warmup go by)."""
         payload_path, meta_path = self._paths(key)
         meta = dict(description, size=len(payload), sha256=hashlib.sha256(payload).hexdigest())
-        _write_owner_only(payload_path, _frame(payload))
-        _write_owner_only(meta_path, json.dumps(meta, indent=1, default=str).encode())
+        write_owner_only(payload_path, _frame(payload))
+        write_owner_only(meta_path, json.dumps(meta, indent=1, default=str).encode())
 
     def discard(self, key: str) -> None:
         for p in self._paths(key):
@@ -452,7 +452,7 @@ class CompileCache:
                 except (ValueError, KeyError, TypeError):
                     rows = {}
             body = {"updated": time.strftime("%Y-%m-%dT%H:%M:%S"), "entries": list(change(rows).values())}
-            _write_owner_only(path, json.dumps(body, indent=1).encode())
+            write_owner_only(path, json.dumps(body, indent=1).encode())
         return path
 
 

@@ -150,8 +150,13 @@ def machine_description() -> str:
 
 
 def save_cost_model(path: str | Path, cost: CostModel) -> None:
+    """Write ``cost`` to ``path`` as the cache writes its files: owner-only (0600; the default
+    path is in the cache directory) and atomically (a server reading it meanwhile sees the
+    old model or the new one, never half of one)."""
+    from jaxserve.compile_cache import write_owner_only
+
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(cost.to_json())
+    write_owner_only(Path(path), cost.to_json().encode())
 
 
 def load_cost_model(path: str | Path) -> CostModel:

@@ -402,10 +402,12 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if media and not (media == "application/json" or media.endswith("+json")):
-            # FastAPI hands a non-JSON body to the model as bytes; say what is wrong instead.
+        if not (media == "application/json" or media.endswith("+json")):
+            # FastAPI hands a non-JSON body (or one with no content-type, as requests' data= sends)
+            # to the model as bytes; say what is wrong instead of "expected a JSON object".
             metrics.request_done(_path_label(request.scope), 415)
-            return _error(415, f"content-type {media!r} is not supported; send application/json", "content-type")
+            what = f"content-type {media!r} is not supported" if media else "no content-type was sent"
+            return _error(415, f"{what}; send application/json", "content-type")
         loc, msg = validation_message(exc.errors())
         metrics.request_done(_path_label(request.scope), 422)
         return _error(422, f"{loc}: {msg}", loc)

@@ -330,13 +330,13 @@ def test_prune_removes_only_this_models_entries_that_can_never_load(cache_dir, m
 
 _WRITER = """
 import json, sys
-from jaxserve.compile_cache import CompileCache, ManifestRow, _write_owner_only
+from jaxserve.compile_cache import CompileCache, ManifestRow, write_owner_only
 root, who, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 cache = CompileCache(root, use_xla_cache=False)
 for i in range(n):
     cache.write_manifest([ManifestRow(model=who, config_hash="c", cell=f"b{i}", key=f"{who}-{i}", jax="j",
                                       jaxlib="j", xla_flags="", compile_seconds=0.0, source="compiled")])
-    _write_owner_only(cache.exe_dir / "same.json", json.dumps({"who": who, "i": i, "pad": "x" * 50000}).encode())
+    write_owner_only(cache.exe_dir / "same.json", json.dumps({"who": who, "i": i, "pad": "x" * 50000}).encode())
 """
 
 

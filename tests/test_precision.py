@@ -143,4 +143,5 @@ def test_bf16_server_answers_reference_embeddings(tmp_path):
         assert min(cos) >= 0.9999 and max(cos) < 0.9999999, cos
         metrics = c.get("/metrics").text
         assert "jaxserve_compilations_since_ready 0.0" in metrics
-    assert (tmp_path / "cache" / "cost_model-bf16.json").exists()
+    written = tmp_path / "cache" / "cost_model-bf16.json"
+    assert written.exists() and written.stat().st_mode & 0o777 == 0o600  # a cache file: owner-only
