@@ -192,6 +192,10 @@ def cmd_serve(args) -> int:
 
     if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
         raise CliError("--ssl-certfile and --ssl-keyfile go together: HTTPS needs both")
+    for family, only in ((TEXT_STREAM_POLICIES, "minilm-l6"), (IMAGE_POLICIES, "vit-demo")):
+        if args.policy in family and _models(args) != (only,):  # before binding and warming, not after
+            raise CliError(f"--policy {args.policy} serves exactly one model, {only} (--model {only}); "
+                           f"got {', '.join(_models(args))}")
     settings = ServeSettings(
         models=_models(args), cache_dir=args.cache_dir, policy=args.policy, instances=args.instances,
         max_queue=args.max_queue, max_wait_ms=args.max_wait_ms, cost_model=args.cost_model, precision=args.precision,

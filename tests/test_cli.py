@@ -277,6 +277,21 @@ def test_https_needs_both_certificate_and_key(capsys):
     assert "--ssl-certfile and --ssl-keyfile go together" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("policy, model, only", [("otas", "minilm-l6", "vit-demo"), ("arlo", "vit-demo", "minilm-l6"),
+                                                 ("dt", None, None)])
+def test_a_policy_given_models_it_cannot_serve_is_a_usage_error_before_warmup(capsys, policy, model, only):
+    from jaxserve.cli import main
+    from jaxserve.compile_cache import compile_count
+
+    before = compile_count()
+    argv = ["serve", "--policy", policy] + (["--model", model] if model else ["--model", "minilm-l6", "--model",
+                                                                              "vit-demo"])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--policy {policy} serves exactly one model" in err and (only is None or f"--model {only}" in err), err
+    assert compile_count() == before
+
+
 def test_a_bucket_beyond_the_models_positions_is_refused_before_warmup(capsys):
     from jaxserve.cli import main
     from jaxserve.compile_cache import compile_count
