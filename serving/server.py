@@ -14,6 +14,7 @@ import logging
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -426,7 +427,8 @@ def timed_protocol(header_timeout_s: float, on_timeout: Callable[[str], None] | 
                 body = json.dumps(error_body(408, f"request headers not received within {header_timeout_s:g} s",
                                              "headers")).encode()
                 self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                                     b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+                                     b"x-request-id: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
+                                     % (uuid.uuid4().hex.encode(), len(body), body))
             self.transport.close()
 
     return TimedHttpProtocol

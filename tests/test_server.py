@@ -474,7 +474,7 @@ def test_slow_clients_are_cut_off_and_counted(server, client):
         late_body = _read_to_eof(body)
     finally:
         stop.set()
-    assert late_headers.startswith(b"HTTP/1.1 408"), late_headers
+    assert late_headers.startswith(b"HTTP/1.1 408") and b"\r\nx-request-id: " in late_headers, late_headers
     error = json.loads(late_headers.split(b"\r\n\r\n", 1)[1])["error"]
     assert error["field"] == error["param"] == "headers" and "within 5 s" in error["message"]
     assert late_body.startswith(b"HTTP/1.1 408"), late_body
