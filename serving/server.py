@@ -502,6 +502,8 @@ def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, ac
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for chatty in ("absl", "jax"):  # orbax's per-restore INFO lines (through absl), jax's "no TPU here"
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     server: uvicorn.Server | None = None
 
     def stop() -> None:
