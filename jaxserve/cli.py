@@ -427,7 +427,7 @@ def cmd_train_prompts(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
+    p = argparse.ArgumentParser(prog="jaxserve", description=__doc__.replace("``", ""))
     sub = p.add_subparsers(dest="command", required=True)
 
     def served(sp):
