@@ -349,7 +349,9 @@ def decode_image(raw: Any, shape: tuple[int, int, int], index: int) -> np.ndarra
             with warnings.catch_warnings():  # its size is checked below, before any decoding:
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # no bomb goes off
                 img = Image.open(io.BytesIO(data), formats=["PNG"])  # reads the header only
-        except (binascii.Error, ValueError, UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
+        except UnidentifiedImageError:  # PIL's message would name an in-memory buffer object
+            raise ApiError(422, f"{where}: not a PNG image (send base64 PNG bytes or nested arrays)", where) from None
+        except (binascii.Error, ValueError, OSError, Image.DecompressionBombError) as exc:
             raise ApiError(422, f"{where}: not a decodable base64 PNG image ({exc})", where) from None
         # Size and mode are checked from the header, before any pixel is decoded: a tiny PNG
         # can declare 12000x12000 (144 MB, 0.15 s of the event loop per image to decode).

@@ -213,7 +213,7 @@ def test_errors_name_the_field_in_one_format(client):
         (post("/v1/classify/image", {"inputs": [[[True] * 32] * 32]}), 422, "inputs[0]", "grid of numbers"),
         (post("/v1/classify/image", content='{"inputs": [[[0.5, 1%s]]]}' % ("0" * 400)), 422, "inputs[0]",
          "grid of numbers"),
-        (post("/v1/classify/image", {"inputs": [_jpeg_base64()]}), 422, "inputs[0]", "PNG"),
+        (post("/v1/classify/image", {"inputs": [_jpeg_base64()]}), 422, "inputs[0]", "not a PNG image (send"),
         (post("/v1/embeddings", content=b"{\"input\": [1,", ctype="application/json"), 422, "body", "malformed JSON"),
         (post("/v1/embeddings", {"input": "x"}, ctype="text/plain"), 415, "content-type", "application/json"),
         (post("/v1/embeddings", {"input": "x"}, ctype=None), 415, "content-type", "no content-type was sent"),
