@@ -49,6 +49,15 @@ class EmbeddingsRequest(_Strict):
     dimensions: int | None = Field(default=None, gt=0)
     user: Text | None = None
 
+    @field_validator("input", mode="before")
+    @classmethod
+    def _no_token_ids(cls, v):
+        if isinstance(v, list) and v and all(isinstance(x, int) or (isinstance(x, list) and x and all(
+                isinstance(y, int) for y in x)) for x in v):
+            raise ValueError("token ids are not accepted (ids from another tokenizer would embed garbage); "
+                             "send text")
+        return v
+
     @field_validator("input")
     @classmethod
     def _non_empty(cls, v):
