@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +18,34 @@ MODELS = ("minilm-l6", "vit-demo")
 from jaxserve.models.precision import PRECISIONS
 from jaxserve.registry import MissingAsset
 from jaxserve.sched import IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES
+
+
+@contextlib.contextmanager
+def _stop_on_ctrl_c():
+    """Ctrl-C during a per-cell loop (warmup, profile) stops it at the next cell, as the
+    server's warmup stops: the first SIGINT only sets a flag the loop checks per cell (the
+    ``stop`` yielded), and the loop's ``WarmupCancelled`` becomes a KeyboardInterrupt (exit
+    130). A KeyboardInterrupt raised wherever Python happens to be when the signal lands
+    could be lost: landing in a callback that XLA's C++ calls, it did not stop the warmup (a
+    flaky test found it). A second Ctrl-C interrupts at once."""
+    import signal
+
+    from jaxserve.polymorph import WarmupCancelled
+
+    stopped = threading.Event()
+
+    def on_sigint(signum, frame):
+        if stopped.is_set():
+            raise KeyboardInterrupt
+        stopped.set()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield stopped.is_set
+    except WarmupCancelled:
+        raise KeyboardInterrupt from None
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _models(args) -> tuple[str, ...]:
@@ -37,7 +67,8 @@ def cmd_warmup(args) -> int:
     cache = CompileCache(args.cache_dir, rebuild_serialized=True)  # the deploy job fills the fast path
     settings = ServeSettings(models=_models(args), cache_dir=args.cache_dir, precision=args.precision,
                              **_served(args))
-    runtimes = load_runtimes(settings, cache)
+    with _stop_on_ctrl_c() as stop:
+        runtimes = load_runtimes(settings, cache, stop)
     for name, rt in runtimes.items():
         sources = {}
         for s in rt.table.stats.values():
@@ -220,13 +251,14 @@ def cmd_profile(args) -> int:
     if args.staircase:
         return _staircase(args)
     cache = CompileCache(args.cache_dir)
-    runtimes = load_runtimes(ServeSettings(models=_models(args), cache_dir=args.cache_dir, precision=args.precision,
-                                           **_served(args)), cache)
-    latency = {
-        name: profile_table(rt.table, rt.weights, lambda c, rt=rt: example_inputs(rt, c),
-                            repeats=args.repeats, progress=True)
-        for name, rt in runtimes.items()
-    }
+    with _stop_on_ctrl_c() as stop:
+        runtimes = load_runtimes(ServeSettings(models=_models(args), cache_dir=args.cache_dir,
+                                               precision=args.precision, **_served(args)), cache, stop)
+        latency = {
+            name: profile_table(rt.table, rt.weights, lambda c, rt=rt: example_inputs(rt, c),
+                                repeats=args.repeats, progress=True, stop=stop)
+            for name, rt in runtimes.items()
+        }
     accuracy = {}
     if args.accuracy:  # OTAS: accuracy per (task, gamma) on the held-out profiling split
         from jaxserve.prompts import digit_task_split, profile_accuracy
