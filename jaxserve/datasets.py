@@ -39,12 +39,26 @@ def tweet_token_lengths() -> np.ndarray:
     return np.array([len(ids) for ids in tok.encode(list(texts))], dtype=np.int32)
 
 
+def digits_split(test_fraction: float = 0.2, split_seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(train, test) indices into sklearn's digits: the one split, stratified and seeded, that
+    the demo ViT and its prompts were trained on (``training.data.prepare_digits``) and that
+    every held-out example is drawn from."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    labels = load_digits().target
+    train, test = train_test_split(np.arange(len(labels)), test_size=test_fraction, stratify=labels,
+                                   random_state=split_seed)
+    return train, test
+
+
 def digits_examples(image_shape: tuple[int, int, int], count: int = 8, seed: int = 0):
-    """``count`` sklearn digits as float32 [H, W, C] images in [0, 1], with their labels."""
+    """``count`` held-out sklearn digits (the test split of :func:`digits_split`, which the demo
+    ViT never trained on) as float32 [H, W, C] images in [0, 1], with their labels."""
     from sklearn.datasets import load_digits
 
     d = load_digits()
-    idx = np.random.default_rng(seed).choice(len(d.images), size=count, replace=False)
+    idx = np.random.default_rng(seed).choice(digits_split()[1], size=count, replace=False)
     return upsample_digits(d.images[idx], image_shape), d.target[idx]
 
 

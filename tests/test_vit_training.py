@@ -18,6 +18,19 @@ def test_digits_split_is_fixed_and_stratified():
     assert abs(float(a.train.images.mean())) < 1e-4 and 0 < a.pixel_mean < 1
 
 
+def test_examples_are_held_out_digits_the_demo_vit_never_trained_on():
+    """The demo's, the README's and the serving tests' example digits come from the test split
+    (they were drawn from all digits, so 8 of the demo's 8 were training images)."""
+    from jaxserve.datasets import digits_examples
+
+    digits = prepare_digits((32, 32, 1))
+    held_out = {x.tobytes() for x in digits.test.images}
+    images, labels = digits_examples((32, 32, 1), count=len(held_out), seed=5)
+    normalised = ((images - digits.pixel_mean) / digits.pixel_std).astype(np.float32)
+    assert {x.tobytes() for x in normalised} == held_out
+    assert sorted(labels.tolist()) == sorted(digits.test.labels.tolist())
+
+
 def test_training_smoke_and_checkpoint_round_trip(tmp_path):
     metrics = train("vit-tiny-test", tmp_path / "ckpt", epochs=2, seed=0, progress=False)
     losses = metrics["epoch_losses"]

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 import grain
 import numpy as np
 from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
-from jaxserve.datasets import upsample_digits
+from jaxserve.datasets import digits_split, upsample_digits
 
 
 @dataclass(frozen=True)
@@ -43,9 +42,8 @@ def prepare_digits(image_shape: tuple[int, int, int], test_fraction: float = 0.2
     digits = load_digits()
     images = upsample_digits(digits.images, image_shape)  # [N, H, W, C] in [0, 1]
     labels = digits.target.astype(np.int32)
-    x_train, x_test, y_train, y_test = train_test_split(
-        images, labels, test_size=test_fraction, stratify=labels, random_state=split_seed
-    )
+    train, test = digits_split(test_fraction, split_seed)
+    x_train, x_test, y_train, y_test = images[train], images[test], labels[train], labels[test]
     mean, std = float(x_train.mean()), float(x_train.std())
     normalise = lambda x: ((x - mean) / std).astype(np.float32)
     return Digits(DigitsSplit(normalise(x_train), y_train), DigitsSplit(normalise(x_test), y_test), mean, std)
