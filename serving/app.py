@@ -17,7 +17,8 @@ body not complete ``body_timeout_s`` after  408 (connection closed; slow headers
 its headers                                 serving.server.timed_protocol)
 no or wrong API key (with ``api_key``)      401 + WWW-Authenticate
 /admin/reload whose files do not fit the    409 (nothing changes)
-executables, or under an OTAS policy
+executables (or, under an OTAS policy, its
+accuracy profile)
 unknown model or task                       404
 no such route / method                      404 / 405 (with Allow)
 more inputs than ``max_queue`` can hold     413
@@ -609,6 +610,9 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
                 metrics.asset_reloads.labels("refused").inc()
                 log.warning("reload refused: %s", exc, exc_info=not isinstance(exc, ValueError))
                 raise ApiError(409, f"reload refused, still serving the previous assets: {exc}") from None
+            then = report.pop("then", None)
+            if then is not None:  # the policy's part of the switch, here on the engine's thread
+                then()
         metrics.asset_reloads.labels("ok").inc()
         return report
 

@@ -231,20 +231,42 @@ def reload_assets(engine: Engine, settings: ServeSettings) -> dict:
     they were loaded and serve them from the next batch on, with the same executables: nothing
     compiles. All or nothing: every model's new assets are read and checked (they fit the
     executables, no task disappears) before any is swapped in, so a bad file leaves the
-    server exactly as it was. Raises ValueError with the reason."""
-    if settings.policy in IMAGE_POLICIES:
-        raise ValueError(f"--policy {settings.policy} plans with the accuracy profile it was built with; "
-                         "restart the server to serve new prompts")
+    server exactly as it was. Raises ValueError with the reason.
+
+    Under the OTAS policies, which plan with an accuracy per (task, gamma), the reloaded
+    repository's own profile (its accuracy.json, measured on the new prompts) must cover
+    every task at every gamma the policy picks; it replaces the policy's profile. The
+    returned report then holds ``"then"``: the policy's switch, which the caller runs on the
+    event loop (the engine's thread, the only one that touches the policy), right after
+    the runtime's switch. A profile the server was given with --cost-model describes the
+    prompts it started with, so a reload under it is refused."""
     before = compile_count()
     fresh = {name: rt.read_assets() for name, rt in engine.runtimes.items() if rt.read_assets is not None}
     for name, (heads, prompts, _) in fresh.items():
         engine.runtimes[name].check_assets(heads, prompts)
+    then = None
+    if settings.policy in IMAGE_POLICIES:
+        from jaxserve.sched.otas import check_coverage
+
+        policy = engine.policy
+        if policy.accuracy_source != "repository":
+            raise ValueError(f"--policy {settings.policy} plans with the accuracy profile of --cost-model, which "
+                             "describes the prompts the server started with; restart to serve new prompts")
+        (heads, _, accuracy), = fresh.values()  # these policies serve one model
+        if accuracy is None:
+            raise ValueError(f"--policy {settings.policy} needs the new repository's accuracy.json "
+                             "(jaxserve train-prompts writes it)")
+        check_coverage(policy, accuracy, heads)
+        then = lambda: policy.use_accuracy(accuracy)  # noqa: E731
     models = {}
     for name, (heads, prompts, accuracy) in fresh.items():
         added = engine.runtimes[name].swap_assets(heads, prompts, accuracy)
         models[name] = {"tasks": sorted(heads), "added": added}
     log.info("reloaded task assets: %s", "; ".join(f"{n}: {', '.join(m['tasks'])}" for n, m in models.items()))
-    return {"models": models, "compilations": compile_count() - before}
+    report = {"models": models, "compilations": compile_count() - before}
+    if then is not None:
+        report["then"] = then
+    return report
 
 
 def build_engine(settings: ServeSettings, stop: Callable[[], bool] | None = None) -> Engine:

@@ -482,6 +482,29 @@ def test_make_otas_policy_refuses_an_accuracy_profile_with_holes():
     policy = make_otas_policy("otas", {"vit": _Runtime(ACCP)}, cost)
     policy.on_arrival(req(0, 0.0, task="c100"), 0.0)
     assert [b.request_ids for b in policy.plan(0.0, [0]).batches] == [(0,)]
+    # where the profile came from decides whether a reload may replace it (serving.server.reload_assets)
+    assert policy.accuracy_source == "repository"
+    profiled = CostModel(latency={"vit": LAT}, accuracy={"vit": ACCP})
+    assert make_otas_policy("otas", {"vit": _Runtime(None)}, profiled).accuracy_source == "cost model"
+
+
+def test_use_accuracy_replans_with_the_new_profile():
+    """A reload's profile takes over the next decisions: the pricer and Alg. 3's load map are
+    rebuilt from it (a flat 0.5 everywhere gives a map whose every row says 0.5), after
+    check_coverage has accepted it for the served tasks (and refused a task it lacks)."""
+    from jaxserve.sched.base import CostModel
+    from jaxserve.sched.otas import check_coverage, make_otas_policy
+
+    cost = CostModel(latency={"vit": LAT})
+    policy = make_otas_policy("otas", {"vit": _Runtime(ACCP)}, cost)
+    flat = accuracy_profile(acc={t: {g: 0.5 for g in accs} for t, accs in ACC.items()})
+    check_coverage(policy, flat, ("c10", "c100"))
+    with pytest.raises(ValueError, match="'svhn'"):
+        check_coverage(policy, flat, ("svhn",))
+    rows = policy.load_map.rows
+    policy.use_accuracy(flat)
+    assert policy._pricer.accuracy is flat and policy.load_map.rows != rows
+    assert {a for _, _, a in policy.load_map.rows} == {0.5}
 
 
 def test_make_otas_policy_takes_explicit_gammas_literally():

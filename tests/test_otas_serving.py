@@ -10,6 +10,7 @@ after warmup. Needs the trained repository in jaxserve/assets/vit-demo-prompts.
 from __future__ import annotations
 
 import concurrent.futures as cf
+from pathlib import Path
 
 import httpx
 import pytest
@@ -31,10 +32,15 @@ pytestmark = pytest.mark.skipif(not (vit_demo_prompts_dir() / "accuracy.json").e
 def server(tmp_path_factory):
     # A cost model that prices every cell (1 ms + 0.5 ms per image; prompts cost more, merging
     # less), so start-up skips timing: the test is about serving, not about this machine's speed.
+    import shutil
+
     cache, cost = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("cost") / "cost.json"
+    prompts = tmp_path_factory.mktemp("prompts") / "repo"  # a copy: the reload test rewrites its accuracy.json
+    shutil.copytree(vit_demo_prompts_dir(), prompts)
     latency = LatencyProfile("vit-demo", {c: (1 + 0.5 * c.batch) * (1 + 0.05 * c.gamma) / 1e3 for c in GRID.cells()})
     save_cost_model(cost, CostModel(latency={"vit-demo": latency}))
     settings = ServeSettings(models=("vit-demo",), cache_dir=str(cache), policy="otas", cost_model=str(cost),
+                             prompts_dir=str(prompts),
                              max_queue=128, progress=False, image_grid=GRID)
     with LiveServer(settings) as s:
         yield s
@@ -68,11 +74,39 @@ def test_models_lists_the_tasks_and_gammas(server):
     assert set(model["tasks"]) == set(TASK_LABELS)
 
 
-def test_reload_is_refused_under_otas(server):
-    """OTAS plans with the accuracy profile it was built with: a reload would leave the
-    policy planning for prompts that are no longer served, so it is refused (409)."""
-    r = httpx.post(server.url + "/admin/reload", timeout=60)
-    assert r.status_code == 409 and "accuracy profile" in r.json()["error"]["message"], r.text
+def test_reload_under_otas_replaces_the_policy_s_accuracy_profile(server):
+    """OTAS plans with an accuracy per (task, gamma): a reload brings the new repository's
+    accuracy.json to the policy (on the engine's thread), with no compile. One with a hole is
+    refused whole (409): neither the prompts nor the policy's profile change."""
+    import json
+
+    settings = server.app.state.settings
+    path = Path(settings.prompts_dir) / "accuracy.json"
+    original = path.read_text()
+    policy = server.app.state.jaxserve.engine.policy
+    assert policy.accuracy_source == "repository"
+    before, rows = policy._pricer.accuracy.of("parity", 2), policy.load_map.rows
+    raw = json.loads(original)
+    raw["accuracy"] = [[t, g, a / 2 if t == "parity" else a] for t, g, a in raw["accuracy"]]
+    try:
+        path.write_text(json.dumps(raw))
+        r = httpx.post(server.url + "/admin/reload", timeout=60)
+        assert r.status_code == 200 and r.json()["compilations"] == 0, r.text
+        assert policy._pricer.accuracy.of("parity", 2) == pytest.approx(before / 2)
+        # Alg. 3's map was rebuilt from it too: its mean accuracy per gamma fell with parity's
+        old_acc, new_acc = ({g: a for g, _, a in r} for r in (rows, policy.load_map.rows))
+        assert old_acc.keys() & new_acc.keys() and all(new_acc[g] < old_acc[g] for g in old_acc.keys() & new_acc.keys())
+        raw["accuracy"] = [row for row in raw["accuracy"] if (row[0], row[1]) != ("inverted", -2)]
+        path.write_text(json.dumps(raw))
+        r = httpx.post(server.url + "/admin/reload", timeout=60)
+        assert r.status_code == 409 and "no accuracy for task 'inverted' at gammas [-2]" in r.text, r.text
+        assert policy._pricer.accuracy.of("parity", 2) == pytest.approx(before / 2)  # as it was
+        r = httpx.post(server.url + "/v1/classify/image", json={"task": "inverted", "inputs": _images(2)}, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        path.write_text(original)
+        assert httpx.post(server.url + "/admin/reload", timeout=60).status_code == 200
+    assert policy._pricer.accuracy.of("parity", 2) == pytest.approx(before)
 
 
 def test_each_answer_reports_gamma_and_outcome_type(server):

@@ -498,6 +498,7 @@ class SelectiveBatchingPolicy:
         if rate_window <= 0:
             raise ValueError("rate_window must be positive")
         self._pricer = pricer
+        self.accuracy_source = "cost model"  # or "repository": where make_otas_policy found it
         self.batching = batching
         self.rate_window = rate_window
         self.start_time = start_time
@@ -514,6 +515,14 @@ class SelectiveBatchingPolicy:
         self.record_limit: Optional[int] = None  # bound on outcomes/request_gamma/decisions (None: keep all)
 
     # ------------------------------------------------------------------ Policy protocol
+
+
+    def use_accuracy(self, accuracy: AccuracyProfile) -> None:
+        """Plan with ``accuracy`` from the next decision on: a reloaded prompt repository's
+        profile (``serving.server.reload_assets``, which checks it with :func:`check_coverage`
+        first). Batches already dispatched keep the accuracy they were priced with."""
+        p = self._pricer
+        self._pricer = _Pricer(p.model, p.latency, accuracy, p.grid, p.gammas)
 
     def on_arrival(self, request: Request, now: float) -> None:
         self._start(now)
@@ -700,6 +709,17 @@ class SelectiveBatchingPolicy:
         return wake
 
 
+def check_coverage(policy: "SelectiveBatchingPolicy", accuracy: AccuracyProfile, tasks: Iterable[str]) -> None:
+    """ValueError unless ``accuracy`` prices every task in ``tasks`` (and every task it names)
+    at every gamma ``policy`` may pick: a hole would make plan() raise for as long as such a
+    request stays queued."""
+    for task in sorted(set(tasks) | {t for (t, _) in accuracy.accuracy}):
+        missing = [g for g in policy._pricer.gammas if (task, g) not in accuracy.accuracy]
+        if missing:
+            raise ValueError(f"the accuracy profile of {accuracy.model} has no accuracy for task {task!r} at gammas "
+                             f"{missing}; re-profile it (`jaxserve train-prompts` or `jaxserve profile --accuracy`)")
+
+
 def _pricer_from(model: str, latency: LatencyProfile, accuracy: AccuracyProfile, grid: ShapeGrid,
                  gammas: Optional[Iterable[int]]) -> _Pricer:
     return _Pricer(model, latency, accuracy, grid, tuple(gammas) if gammas is not None else grid.gammas)
@@ -721,6 +741,12 @@ class OTASPolicy(SelectiveBatchingPolicy):
         self.params = params
         self.load_map = LoadToGamma.from_profile(latency, accuracy, grid, self._pricer.gammas, params.headroom)
         self.last_solution: Optional[DPSolution] = None
+
+    def use_accuracy(self, accuracy: AccuracyProfile) -> None:
+        """As the base class's, and Alg. 3's load map is rebuilt from the new accuracy."""
+        super().use_accuracy(accuracy)
+        p = self._pricer
+        self.load_map = LoadToGamma.from_profile(p.latency, accuracy, p.grid, p.gammas, self.params.headroom)
 
     @classmethod
     def from_cost_model(cls, cost: CostModel, model: str, grid: ShapeGrid, **kwargs) -> "OTASPolicy":
@@ -917,14 +943,8 @@ def make_otas_policy(name: str, runtimes: Mapping, cost: CostModel, options: Opt
     else:
         policy = FixedVPTPolicy(model, latency, accuracy, grid, gamma=_grid_gamma(options, "vpt_gamma", 2, grid),
                                 batching=batching)
-    # Every served task must be priced at every gamma the policy may pick: a hole would make
-    # plan() raise for as long as such a request stays queued.
-    tasks = sorted(set(getattr(rt, "heads", None) or ()) | {t for (t, _) in accuracy.accuracy})
-    for task in tasks:
-        missing = [g for g in policy._pricer.gammas if (task, g) not in accuracy.accuracy]
-        if missing:
-            raise ValueError(f"the accuracy profile of {model} has no accuracy for task {task!r} at gammas "
-                             f"{missing}; re-profile it (`jaxserve train-prompts` or `jaxserve profile --accuracy`)")
+    check_coverage(policy, accuracy, getattr(rt, "heads", None) or ())
+    policy.accuracy_source = "cost model" if model in cost.accuracy else "repository"
     policy.record_limit = options.get("record_limit", 100_000)
     return policy
 
