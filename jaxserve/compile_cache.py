@@ -65,9 +65,11 @@ _LOWERING_FLAGS = (
 )
 
 
-# The code that builds what a polymorph compiles (models, the per-cell functions, padding).
-# A jaxserve upgrade that changes any of it must not load executables an older one wrote.
-_PROGRAM_SOURCES = ("models", "servables.py", "polymorph.py")
+# The code that builds what a polymorph compiles (models, the per-cell functions, padding,
+# the native kernels executables call). A jaxserve upgrade that changes any of it must not
+# load executables an older one wrote.
+_PROGRAM_SOURCES = ("models", "kernels", "servables.py", "polymorph.py")
+_PROGRAM_SUFFIXES = (".py", ".cc")
 
 
 @functools.cache
@@ -80,7 +82,8 @@ def program_fingerprint(root: Path | None = None) -> str:
     h = hashlib.sha256()
     for name in _PROGRAM_SOURCES:
         path = root / name
-        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+        files = sorted(f for f in path.rglob("*") if f.suffix in _PROGRAM_SUFFIXES) if path.is_dir() else [path]
+        for f in files:
             h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
@@ -112,7 +115,11 @@ def environment_fingerprint() -> dict[str, str]:
     """What decides the compiled code besides the model, cell and argument shapes:
     jaxserve's program sources and entry format, versions (flax too: its modules, such as
     nnx.LayerNorm, write part of every program), backend, the CPU's instruction set (CPU
-    backend only: a GPU executable's code is for the GPU its device kind names), flags."""
+    backend only: a GPU executable's code is for the GPU its device kind names), flags, and
+    the attention implementation (XLA ops, or the fused kernel build it calls: computing the
+    key registers that kernel, which deserializing an executable that calls it needs)."""
+    from jaxserve import kernels
+
     device = jax.devices()[0]
     fp = {
         "program": program_fingerprint(),
@@ -124,6 +131,7 @@ def environment_fingerprint() -> dict[str, str]:
         "device_kind": device.device_kind,
         "host_cpu": host_cpu() if device.platform == "cpu" else "",
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "attention": kernels.attention_fingerprint(),
     }
     for flag in _LOWERING_FLAGS:
         fp[flag] = str(getattr(jax.config, flag, None))

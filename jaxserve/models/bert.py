@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.models.attention import attention
+from jaxserve.models.attention import qkv_attention
 from jaxserve.models.precision import Dense
 
 
@@ -99,10 +99,8 @@ class BertLayer(nnx.Module):
         h = self.num_heads
         dh = d // h
         qkv = self.qkv(x).reshape(b, s, 3, h, dh)
-        # 1/sqrt(dh) is applied to q: a pass over [B, S, D] instead of over [B, H, S, S].
-        q = qkv[:, :, 0] * float(1.0 / np.sqrt(dh))
-        k, v = qkv[:, :, 1], qkv[:, :, 2]
-        ctx = attention(q, k, v, key_bias)  # layout and CPU choices: jaxserve.models.attention
+        # layout, the fused CPU kernel and the choices behind them: jaxserve.models.attention
+        ctx = qkv_attention(qkv, key_bias, float(1.0 / np.sqrt(dh)))
         x = self.attn_norm(x + self.attn_out(ctx.reshape(b, s, d)))
         y = self.mlp_out(gelu_exact(self.mlp_in(x)))
         return self.mlp_norm(x + y)

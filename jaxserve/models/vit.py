@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.models.attention import attention
+from jaxserve.models.attention import qkv_attention
 from jaxserve.models.precision import Dense
 from jaxserve.models.tome import bipartite_soft_matching, clamp_merge_r, merge_wavg
 
@@ -118,10 +118,10 @@ class Attention(nnx.Module):
         batch, tokens, hidden = x.shape
         head_dim = hidden // self.num_heads
         qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, head_dim)  # timm's qkv packing
-        q, k, v = qkv[:, :, 0] * float(head_dim**-0.5), qkv[:, :, 1], qkv[:, :, 2]
         # proportional attention: a merged key counts for the tokens it stands for (log size)
-        out = attention(q, k, v, None if size is None else jnp.log(size)).reshape(batch, tokens, hidden)
-        return self.proj(out), k.mean(axis=2)
+        bias = None if size is None else jnp.log(size)
+        out = qkv_attention(qkv, bias, float(head_dim**-0.5)).reshape(batch, tokens, hidden)
+        return self.proj(out), qkv[:, :, 1].mean(axis=2)
 
 
 class Mlp(nnx.Module):

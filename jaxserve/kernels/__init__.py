@@ -1,0 +1,221 @@
+"""Native CPU kernels that compiled executables call through XLA's FFI.
+
+One kernel so far: fused multi-head attention (``attention_cpu.cc``; why and how in its
+header, measured in ``jaxserve/models/attention.py``). It is C++ built on the host that
+runs it, the way PyTorch's inductor and Triton build theirs: the system C++ compiler
+(``$CXX``, else g++, c++ or clang++) with ``-O3 -march=native`` against the FFI headers
+that ship in jaxlib, once per (source, compiler, jaxlib, CPU instruction set), into an
+owner-only kernel directory (``$JAXSERVE_KERNEL_DIR``, else ``$XDG_CACHE_HOME/jaxserve/
+kernels`` or ``~/.cache/jaxserve/kernels``). A build takes a few seconds and happens when a
+process first traces or loads an executable that would use it (warmup), never per request.
+
+Where the kernel cannot be had (no compiler, a failed build, a kernel directory someone
+else could write, a backend other than the CPU) or ``JAXSERVE_FUSED_ATTENTION=0`` is set,
+attention runs as XLA ops instead: same results to float32 rounding, slower at long
+sequences. Which one a process uses is part of every compile-cache key
+(:func:`attention_fingerprint`), so executables built with one are never loaded by a
+process using the other, and an executable that calls the kernel is only deserialized
+after the kernel is registered (computing the key registers it).
+
+The kernel directory holds native code this process loads: like ``compiled_cache/``, it is
+trusted code. It is created 0700, libraries are written 0700 and atomically, and a
+library or directory that another user owns or could write is refused (with a warning),
+not loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("jaxserve.kernels")
+
+SOURCE = Path(__file__).resolve().parent / "attention_cpu.cc"
+ATTENTION_TARGET = "jaxserve_fused_attention_f32"
+_SYMBOL = "JaxserveFusedAttention"
+_FLAGS = ("-O3", "-std=c++17", "-ffp-contract=fast", "-fPIC", "-shared", "-w")
+_ARCH_FLAGS = ("-march=native",)  # dropped on a compiler that refuses it
+
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxserve_attention", default=None)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A built, loaded and registered kernel library."""
+
+    target: str  # the FFI target name executables call
+    path: Path
+    build_id: str  # hash of source, compiler, flags, jaxlib and CPU: part of cache keys
+    built_seconds: float  # 0.0 when an earlier build was reused
+
+
+def kernel_dir() -> Path:
+    explicit = os.environ.get("JAXSERVE_KERNEL_DIR")
+    if explicit:
+        return Path(explicit)
+    cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache_home) / "jaxserve" / "kernels"
+
+
+def _compiler() -> str | None:
+    for candidate in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if candidate:
+            found = shutil.which(candidate)
+            if found:
+                return found
+    return None
+
+
+def _compiler_version(cxx: str) -> str:
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+        return out.stdout.splitlines()[0] if out.stdout else out.stderr.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unknown ({exc})"
+
+
+def _check_trusted(path: Path, *, directory: bool) -> None:
+    """Raise PermissionError unless ``path`` is ours and nobody else can write it."""
+    st = os.lstat(path)
+    kind = "directory" if directory else "library"
+    if stat.S_ISLNK(st.st_mode):
+        raise PermissionError(f"kernel {kind} {path} is a symbolic link")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"kernel {kind} {path} belongs to uid {st.st_uid}, not this user")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(f"kernel {kind} {path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})")
+
+
+def _build(source: Path, out: Path, cxx: str, defines: dict[str, str]) -> None:
+    import jax.ffi
+
+    defs = [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    base = [cxx, *_FLAGS, *defs, "-I", jax.ffi.include_dir(), str(source)]
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        for arch in (_ARCH_FLAGS, ()):
+            proc = subprocess.run([*base[:1], *arch, *base[1:], "-o", tmp], capture_output=True, text=True,
+                                  timeout=300)
+            if proc.returncode == 0:
+                break
+        else:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+            raise RuntimeError(f"{Path(cxx).name} failed (exit {proc.returncode}): " + " | ".join(tail))
+        os.chmod(tmp, 0o700)
+        os.replace(tmp, out)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def build_kernel(target: str = ATTENTION_TARGET, defines: dict[str, str] | None = None,
+                 directory: Path | None = None) -> Kernel:
+    """Build (or reuse) the attention kernel library, load it and register it with XLA as
+    ``target`` for the CPU. ``defines``: extra -D macros (the tests build the 16-lane variant
+    on any CPU with ``JAXSERVE_VEC_BYTES=64``). Raises if it cannot."""
+    import jax
+    import jaxlib
+
+    from jaxserve.compile_cache import host_cpu
+
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    defines = dict(defines or {})
+    ident = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), _compiler_version(cxx).encode(), " ".join(_FLAGS + _ARCH_FLAGS).encode(),
+                 repr(sorted(defines.items())).encode(), jaxlib.__version__.encode(), host_cpu().encode()):
+        ident.update(part + b"\0")
+    build_id = ident.hexdigest()[:16]
+
+    directory = Path(directory) if directory is not None else kernel_dir()
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _check_trusted(directory, directory=True)
+    path = directory / f"attention-{build_id}.so"
+    seconds = 0.0
+    lock = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per directory at a time
+        if not path.exists():
+            t0 = time.perf_counter()
+            _build(SOURCE, path, cxx, defines)
+            seconds = time.perf_counter() - t0
+            log.info("built the fused attention kernel in %.1f s: %s", seconds, path)
+    finally:
+        os.close(lock)  # releases the lock
+    _check_trusted(path, directory=False)
+    library = ctypes.CDLL(str(path))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, _SYMBOL)), platform="cpu")
+    _LIBRARIES.append(library)  # keep it loaded for as long as executables may call it
+    return Kernel(target=target, path=path, build_id=build_id, built_seconds=seconds)
+
+
+_LIBRARIES: list[ctypes.CDLL] = []
+
+
+@functools.cache
+def fused_attention_kernel() -> Kernel | None:
+    """This process's attention kernel, built and registered on first call; None where it is
+    off (``JAXSERVE_FUSED_ATTENTION=0``), not for this backend, or could not be built (the
+    reason is logged once)."""
+    if os.environ.get("JAXSERVE_FUSED_ATTENTION", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return None
+    try:
+        return build_kernel()
+    except Exception as exc:  # no compiler, a failed build, an untrusted directory
+        log.warning("fused attention kernel unavailable, attention runs as XLA ops: %s", exc)
+        return None
+
+
+def attention_impl() -> str:
+    """"fused" or "xla": what attention traced now in this thread compiles to."""
+    forced = _override.get()
+    if forced is not None:
+        return forced
+    return "fused" if fused_attention_kernel() is not None else "xla"
+
+
+def attention_fingerprint() -> str:
+    """The attention implementation, for compile-cache keys: "xla" or "fused:<build id>"."""
+    if attention_impl() == "xla":
+        return "xla"
+    kernel = fused_attention_kernel()
+    return f"fused:{kernel.build_id}" if kernel is not None else "xla"
+
+
+@contextlib.contextmanager
+def xla_attention():
+    """Trace (and key) attention as XLA ops inside this block, kernel or not: the benchmarks'
+    same-run A/B and the tests' reference.
+
+    jit's trace cache is keyed by the function and its argument types, not by this switch,
+    so a function traced on one side would be reused on the other: the block clears jax's
+    caches when it starts and ends (compiled executables already held are untouched). That
+    costs a retrace, which is why this is for benchmarks and tests, not a serving process."""
+    import jax
+
+    token = _override.set("xla")
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        jax.clear_caches()
+        _override.reset(token)
