@@ -7,9 +7,9 @@ so that every ratio compares timings taken in the same minutes of a shared machi
 
   ours          PolymorphTable executables of jaxserve's encode fn (hidden states, mean
                 pooling, L2 norm), compiled ahead of time per cell
-  naive         the same model with the layer as it was before this benchmark's changes
-                ([B,H,q,k] scores, softmax normalised before PV, erfc GELU): measured in
-                the same run so the effect of the change is a same-minute ratio
+  xla-attn      the same servable and compile options with attention traced as XLA ops
+                instead of the fused CPU kernel (jaxserve.kernels.xla_attention): what the
+                kernel buys, as a same-minute ratio
   eager         HF transformers BertModel, float32, inference_mode, the faster of
                 attn_implementation="sdpa" and "eager" (both are shown)
   compile       torch.compile(dynamic=False) of the same encode function, default mode
@@ -20,7 +20,7 @@ ours runs bf16 dense kernels with float32 accumulation, and every torch column r
 torch.autocast("cpu", bfloat16), torch's own reduced-precision CPU mode: the ratios compare
 like with like. A float32 torch eager column ("eager f32") shows what switching precision buys
 over the float32 peer, and each cell's embeddings are compared with the float32 ones (our float32
-executable, which matches torch's float32 to ~3e-7): minimum cosine per side. No 'naive' column.
+executable, which matches torch's float32 to ~3e-7): minimum cosine per side. No 'xla-attn' column.
 
 The torch side runs in the reference venv (.venv-ref, built by bench/setup_ref_env.sh)
 as a long-lived worker (bench/_torch_worker.py) that answers JSON lines; jaxserve never
@@ -30,22 +30,29 @@ pins both to the first N CPUs). The worker runs with OMP_WAIT_POLICY=PASSIVE: on
 shared machine libgomp's default spin-waiting made torch 3x slower at 2 threads (a
 descheduled spinner stalls every parallel region), which would flatter us.
 
+The float32 ceiling: bench/fma_peak.c, built with the system C compiler, runs register-only
+FMA chains on every core, the most float32 arithmetic per second this CPU can do. Every
+GFLOP/s column is also a share of it, and the goal check says in how many cells 1.3x eager
+would take more than the CPU can do at all (same FLOPs, same precision).
+
 Usage (from the repo root):
   .venv/bin/python -m bench.peer                      # full grid, markdown to stdout
   .venv/bin/python -m bench.peer --write              # ... and bench/results/peer.md
   .venv/bin/python -m bench.peer --models minilm --batches 8 --lengths 128 --rounds 3
-  .venv/bin/python -m bench.peer --profile minilm:8x256   # per-thunk profile, ours vs naive
+  .venv/bin/python -m bench.peer --profile minilm:8x256   # per-thunk profile, ours vs xla-attn
   .venv/bin/python -m bench.peer --precision bf16 --write  # bf16 vs torch autocast: peer-bf16.md
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -71,11 +78,11 @@ def parse_args(argv=None):
                    help="keep adding rounds (up to 3x --rounds) while a cell has run less than this")
     p.add_argument("--min-seconds", type=float, default=0.4, help="per measurement: repeat calls up to this long")
     p.add_argument("--cores", type=int, default=0, help="pin both sides to the first N CPUs (0: all)")
-    p.add_argument("--no-naive", action="store_true", help="skip the pre-change layer column")
+    p.add_argument("--no-xla-attn", action="store_true", help="skip the column with attention as XLA ops")
     p.add_argument("--no-eager-eager", action="store_true", help="skip attn_implementation='eager'")
     p.add_argument("--max-autotune", default="", help="cells for max-autotune-no-cudagraphs, e.g. 'minilm:8x128' or 'all'")
     p.add_argument("--omp-wait-policy", default="PASSIVE", help="torch worker's OMP_WAIT_POLICY ('' = libgomp default)")
-    p.add_argument("--profile", default="", help="MODEL:BxS -- per-thunk profile of ours vs naive, then exit")
+    p.add_argument("--profile", default="", help="MODEL:BxS -- per-thunk profile of ours vs xla-attn, then exit")
     p.add_argument("--precision", default="f32", choices=("f32", "bf16"),
                    help="bf16: ours with bf16 dense kernels vs torch under autocast bf16 (writes peer-bf16.md)")
     p.add_argument("--write", action="store_true",
@@ -95,7 +102,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench.common import bert_flops, bert_inputs, invocation, splice  # noqa: E402
-from jaxserve.models.bert import BERT_CONFIGS, BertConfig, export_hf_bert, init_bert, load_hf_bert, pool  # noqa: E402
+from jaxserve import kernels  # noqa: E402
+from jaxserve.models.bert import BERT_CONFIGS, BertConfig, export_hf_bert, init_bert, load_hf_bert, make_encode_fn  # noqa: E402
 from jaxserve.polymorph import PolymorphTable  # noqa: E402
 from jaxserve.registry import minilm_dir  # noqa: E402
 from jaxserve.sched.base import Cell, ShapeGrid  # noqa: E402
@@ -103,34 +111,6 @@ from jaxserve.servables import bert_servable, weights_of  # noqa: E402
 
 
 # ----------------------------------------------------------------------- model side
-
-def naive_layer(layer, x, key_bias):
-    """The BertLayer forward as it was before this benchmark (kept here as the baseline)."""
-    b, s, d = x.shape
-    h = layer.num_heads
-    qkv = layer.qkv(x).reshape(b, s, 3, h, d // h)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / np.sqrt(d // h))
-    probs = jax.nn.softmax(scores + key_bias[:, None, None, :], axis=-1)
-    ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d)
-    x = layer.attn_norm(x + layer.attn_out(ctx))
-    y = layer.mlp_out(jax.nn.gelu(layer.mlp_in(x), approximate=False))
-    return layer.mlp_norm(x + y)
-
-
-def make_naive_encode(graphdef):
-    def encode(state, input_ids, attention_mask):
-        m = nnx.merge(graphdef, state)
-        s = input_ids.shape[1]
-        x = m.word_embeddings(input_ids) + m.position_embeddings(jnp.arange(s)[None, :])
-        x = m.embed_norm(x + m.token_type_embeddings(jnp.zeros_like(input_ids)))
-        key_bias = jnp.where(attention_mask > 0, 0.0, -1e9).astype(x.dtype)
-        for layer in m.layers:
-            x = naive_layer(layer, x, key_bias)
-        return pool(x, attention_mask)
-
-    return encode
-
 
 def load_model(name: str, tmp: Path):
     """(cfg, model, hf_dir): MiniLM's real checkpoint, or BERT-base random weights exported."""
@@ -213,6 +193,21 @@ def jax_matmul(n: int = 2048):
     return lambda: f(a, a).block_until_ready()
 
 
+def fma_ceiling(build_dir: Path, runs: int = 3) -> float:
+    """GFLOP/s of bench/fma_peak.c on this process's cores: the CPU's float32 ceiling (best of
+    ``runs``: other tenants can only lower it). NaN without a C compiler."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        return math.nan
+    exe = build_dir / "fma_peak"
+    if not exe.exists():
+        subprocess.run([cc, "-O3", "-march=native", "-ffp-contract=fast", "-pthread",
+                        str(ROOT / "bench" / "fma_peak.c"), "-o", str(exe)], check=True, capture_output=True)
+    out = [subprocess.run([str(exe), str(CORES)], capture_output=True, text=True, check=True).stdout.split()
+           for _ in range(runs)]
+    return max(float(o[2]) for o in out)
+
+
 def numpy_matmul(n: int = 2048):
     a = np.random.rand(n, n).astype(np.float32)
     return lambda: a @ a
@@ -267,7 +262,7 @@ def run_grid(args, worker: TorchWorker, models: list[str], batches, lengths, tmp
             ids, mask = bert_inputs(cfg, 1, 8)
             t0 = time.perf_counter()
             gd, st = nnx.split(model)
-            jax.block_until_ready(jax.jit(make_naive_encode(gd)).lower(st, ids, mask).compile()(st, ids, mask))
+            jax.block_until_ready(jax.jit(make_encode_fn(gd)).lower(st, ids, mask).compile()(st, ids, mask))
             j = time.perf_counter() - t0
             r = worker.call(cmd="setup", impl="compile-default", model=name, ids=ids.tolist(), mask=mask.tolist())
             worker.call(cmd="drop", impl="compile-default", model=name, batch=1, seq=8)
@@ -277,8 +272,8 @@ def run_grid(args, worker: TorchWorker, models: list[str], batches, lengths, tmp
         weights = weights_of(model, args.precision)
         if bf16:  # float32 reference embeddings: our float32 executables (== torch float32 to ~3e-7)
             ref_table, ref_weights = PolymorphTable(bert_servable(name, cfg, grid)), weights_of(model)
-        graphdef, _ = nnx.split(model)
-        naive = jax.jit(make_naive_encode(graphdef))
+        # the same servable, its attention traced as XLA ops (every trace inside xla_attention())
+        xla_table = PolymorphTable(bert_servable(name, cfg, grid, args.precision))
         for b in batches:
             for s in lengths:
                 cell = Cell(b, s)
@@ -296,13 +291,14 @@ def run_grid(args, worker: TorchWorker, models: list[str], batches, lengths, tmp
                     ref_table.warm_cell(cell)
                     ref_emb = ref_table.run(cell, ref_weights, ids, mask)["embedding"]
                     res.cos_f32["ours"] = float((ours_emb * ref_emb).sum(-1).min())
-                if not args.no_naive and not bf16:
+                if not args.no_xla_attn and not bf16:
                     t0 = time.perf_counter()
-                    naive_exec = naive.lower(weights, ids, mask).compile()
-                    emb = np.asarray(naive_exec(weights, ids, mask)["embedding"])
-                    res.first["naive"] = time.perf_counter() - t0
-                    res.parity["naive"] = float(np.abs(emb - ours_emb).max())
-                    calls["naive"] = lambda ex=naive_exec, ids=ids, mask=mask: jax.block_until_ready(ex(weights, ids, mask))
+                    with kernels.xla_attention():
+                        xla_table.warm_cell(cell)
+                    emb = xla_table.run(cell, weights, ids, mask)["embedding"]
+                    res.first["xla-attn"] = time.perf_counter() - t0
+                    res.parity["xla-attn"] = float(np.abs(emb - ours_emb).max())
+                    calls["xla-attn"] = lambda cell=cell, ids=ids, mask=mask: xla_table.run(cell, weights, ids, mask)
                 impls = ["eager-sdpa"] + ([] if args.no_eager_eager else ["eager-eager"]) + ["compile-default"]
                 if bf16:
                     impls.append("f32:eager-sdpa")
@@ -347,7 +343,7 @@ def run_grid(args, worker: TorchWorker, models: list[str], batches, lengths, tmp
                 results.append(res)
                 log(f"  {name} b{b} s{s} ({rnd} rounds): " + ", ".join(
                     f"{k} {res.median_ms(k):.1f}ms/{res.cpu_ms(k):.0f}cpu-ms" for k in res.times))
-        del table, model, weights
+        del table, xla_table, model, weights
     return results, info
 
 
@@ -381,7 +377,8 @@ def report(args, results: list[CellResult], peaks: dict, info: dict, started: st
              f"(JAX: XLA thread pool over the affinity mask; torch.set_num_threads({torch_info.get('threads')}), "
              f"OMP_WAIT_POLICY={torch_info.get('omp_wait_policy') or 'default'}). Shared with other jobs: "
              f"load average {info.get('load_start')} at start, {info.get('load_end')} at end")
-    L.append(f"- jax {jax.__version__}, XLA_FLAGS='{os.environ.get('XLA_FLAGS', '')}'; torch {torch_info.get('torch')}, "
+    L.append(f"- jax {jax.__version__}, XLA_FLAGS='{os.environ.get('XLA_FLAGS', '')}', attention "
+             f"{kernels.attention_fingerprint()} (jaxserve.kernels); torch {torch_info.get('torch')}, "
              f"transformers {info.get('transformers', '?')}; "
              + ("ours: bf16 dense kernels, float32 accumulation, everything else float32 (jaxserve/models/precision.py); "
                 "torch: torch.autocast('cpu', dtype=torch.bfloat16) around the whole encode fn, eager and compiled; "
@@ -398,18 +395,25 @@ def report(args, results: list[CellResult], peaks: dict, info: dict, started: st
              "figure on this shared machine.")
     L.append("- same weights and token ids on both sides (MiniLM: the real all-MiniLM-L6-v2 checkpoint; "
              "BERT-base: random init exported with export_hf_bert); the last row of every batch is half padding."
-             + (" 'naive' is our previous BertLayer, compiled the same way, for the before/after of this change.\n"
-                if any("naive" in r.times for r in results) else "\n"))
-    has_naive = any("naive" in r.times for r in results)
+             + (" 'xla-attn' is ours with attention as XLA ops instead of the fused kernel (same servable, same "
+                "compile options), for the before/after of that kernel.\n"
+                if any("xla-attn" in r.times for r in results) else "\n"))
+    fma = info.get("fma_gflops", math.nan)
+    if not bf16:
+        L.append(f"- float32 FMA ceiling (bench/fma_peak.c: register-only FMA chains on the {CORES} cores, best of "
+                 f"the runs before and after the grid): {fmt(fma, '.0f')} GFLOP/s; the best 2048x2048 matmul reaches "
+                 f"{fmt(100 * peak_w / fma, '.0f')}% of it. '1.3x eager needs' is 1.3 x eager's GFLOP/s as a share "
+                 "of that ceiling: over 100% no float32 implementation doing the same arithmetic can reach.\n")
+    has_xla_attn = any("xla-attn" in r.times for r in results)
     has_ma = any("compile-max-autotune" in r.times for r in results)
     head = ["model", "B", "S", "ours ms", "eager ms (impl)", "compile ms"] + (["max-autotune ms"] if has_ma else [])
-    head += ["ours/eager", "ours/compile"] + (["ours/naive"] if has_naive else [])
+    head += ["ours/eager", "ours/compile"] + (["ours/xla-attn"] if has_xla_attn else [])
     if bf16:
         head += ["eager f32 ms", "ours/eager f32", "GFLOP/s ours / eager / compile",
                  "min cos to float32: ours / eager / compile"]
     else:
         head += ["GFLOP/s ours / eager / compile (% of peak)", "GFLOP per CPU-s ours / compile (% of peak)",
-                 "max |Δemb| vs eager"]
+                 "1.3x eager needs", "max |Δemb| vs eager"]
     L.append("| " + " | ".join(head) + " |")
     L.append("|" + "---|" * len(head))
     sp = lambda r, k: f"{fmt(r.speedup(k), '.2f')}× ({fmt(r.speedup(k, 'cpu'), '.2f')}×)"  # noqa: E731
@@ -424,8 +428,8 @@ def report(args, results: list[CellResult], peaks: dict, info: dict, started: st
             row.append(fmt(r.median_ms("compile-max-autotune")) if r.times.get("compile-max-autotune")
                        else ("err" if "compile-max-autotune" in r.errors else "–"))
         row += [sp(r, best_eager) if best_eager else "–", sp(r, "compile-default")]
-        if has_naive:
-            row.append(sp(r, "naive"))
+        if has_xla_attn:
+            row.append(sp(r, "xla-attn"))
         if bf16:
             row += [fmt(r.median_ms("f32:eager-sdpa")), sp(r, "f32:eager-sdpa")]
         row.append(" / ".join(fmt(gw(k), ".0f") for k in ("ours", best_eager or "", "compile-default"))
@@ -436,18 +440,25 @@ def report(args, results: list[CellResult], peaks: dict, info: dict, started: st
         else:
             row.append(" / ".join(fmt(gc(k), ".0f") for k in ("ours", "compile-default"))
                        + f" ({' / '.join(fmt(100 * gc(k) / peak_c, '.0f') for k in ('ours', 'compile-default'))}%)")
+            row.append(f"{fmt(130 * gw(best_eager) / fma, '.0f')}% of FMA" if best_eager else "–")
             row.append(fmt(r.parity.get(best_eager, math.nan), ".1e") if best_eager else "–")
         L.append("| " + " | ".join(row) + " |")
     L.append("")
     for metric, label in (("wall", "wall time"), ("cpu", "CPU time")):
         e = [r.speedup(_best_eager(r), metric) for r in results if _best_eager(r)]
         c = [r.speedup("compile-default", metric) for r in results]
-        n = [r.speedup("naive", metric) for r in results] if has_naive else []
+        n = [r.speedup("xla-attn", metric) for r in results] if has_xla_attn else []
         what = "bf16 vs torch autocast bf16, " if bf16 else ""
         L.append(f"- **Goal check on {label}** ({what}ours >= 1.3x eager and >= 1.0x torch.compile, B in {{8, 32}}, S 32-256): "
                  f">= 1.3x eager in {sum(x >= 1.3 for x in e)}/{len(e)} cells, >= 1.0x compile in "
                  f"{sum(x >= 1.0 for x in c)}/{len(c)} cells; geometric means ours/eager {_gmean(e):.2f}x, "
-                 f"ours/compile {_gmean(c):.2f}x" + (f", ours/naive {_gmean(n):.2f}x." if n else "."))
+                 f"ours/compile {_gmean(c):.2f}x" + (f", ours/xla-attn {_gmean(n):.2f}x." if n else "."))
+    if not bf16 and fma == fma:
+        need = [1.3 * r.flops / (r.median_ms(_best_eager(r)) / 1e3) / 1e9 / fma for r in results if _best_eager(r)]
+        L.append(f"- **What 1.3x eager asks of this CPU**: more float32 arithmetic per second than its FMA ceiling in "
+                 f"{sum(x > 1.0 for x in need)}/{len(need)} cells, >= 90% of it in {sum(x >= 0.9 for x in need)}/{len(need)} "
+                 f"(the best 2048x2048 matmul reaches {100 * peak_w / fma:.0f}%); eager itself runs at "
+                 f"{100 * min(need) / 1.3:.0f}-{100 * max(need) / 1.3:.0f}% of the ceiling.")
     if bf16:
         f = [r.speedup("f32:eager-sdpa") for r in results]
         L.append(f"- **ours bf16 vs torch eager float32** (what switching precision buys over the float32 peer): "
@@ -525,13 +536,13 @@ def profile(spec: str) -> str:
         cfg, model, _ = load_model(name, Path(tmp))
     graphdef, state = nnx.split(model)
     ids, mask = bert_inputs(cfg, b, s)
-    from jaxserve.models.bert import make_encode_fn
     from jaxserve.servables import bert_options
 
     out = [f"# per-thunk profile: {name} B={b} S={s}, {CORES} cores, jax {jax.__version__}\n"]
     options = bert_options(Cell(b, s)) or None  # ours compiles as the polymorph table would
-    for label, fn, opts in (("ours", make_encode_fn(graphdef), options), ("naive", make_naive_encode(graphdef), None)):
-        c = jax.jit(fn).lower(state, ids, mask).compile(compiler_options=opts)
+    for label in ("ours", "xla-attn"):
+        with kernels.xla_attention() if label == "xla-attn" else contextlib.nullcontext():
+            c = jax.jit(make_encode_fn(graphdef)).lower(state, ids, mask).compile(compiler_options=options)
         hlo = c.as_text()
         comps = {m.group(1): m.group(2) for m in re.finditer(r"^%(\S+) .*?\{\n(.*?)\n\}", hlo, re.S | re.M)}
         kind = {}
@@ -543,7 +554,9 @@ def profile(spec: str) -> str:
             called = re.search(r"calls=%([\w.\-]+)", line)
             ops = set(re.findall(r"= \S+ ([a-z][\w-]*)\(", comps.get(called.group(1), ""))) if called else set()
             shp = shp.split("{")[0]
-            if "dot" in ops and "exponential" in ops:
+            if op == "custom-call" or "custom-call" in ops:
+                kind[nm] = "fused attention kernel " + shp
+            elif "dot" in ops and "exponential" in ops:
                 kind[nm] = "attention fusion (dot+softmax+dot) " + shp
             elif op == "dot" or "dot" in ops:
                 kind[nm] = "dot " + shp
@@ -605,6 +618,7 @@ def main():
             jm, nm = jax_matmul(), numpy_matmul()
 
             def measure_peaks():
+                info["fma_gflops"] = max(info.get("fma_gflops", 0.0), fma_ceiling(Path(tmp)))
                 for key, fn in (("jax jnp.dot", jm), ("numpy", nm)):
                     w, c = matmul_gflops(fn)
                     peaks[key][0].extend(w)
