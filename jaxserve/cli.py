@@ -215,7 +215,7 @@ def _served(args) -> dict:
             raise CliError(f"--buckets: {max(args.buckets)} exceeds minilm-l6's {limit} positions")
     return {"text_grid": text_grid(buckets=args.buckets, batch_sizes=args.batch_sizes or DEFAULT_TEXT_BATCHES),
             "image_grid": ShapeGrid(args.batch_sizes or DEFAULT_IMAGE_BATCHES, gammas=_image_gammas(args)),
-            "heads_dir": args.heads_dir, "prompts_dir": args.prompts_dir}
+            "heads_dir": args.heads_dir, "prompts_dir": args.prompts_dir, "tune": not args.no_tune}
 
 
 def cmd_serve(args) -> int:
@@ -472,6 +472,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="e.g. 1,2,4,8 (default: 1,2,4,8,16,32)")
         sp.add_argument("--buckets", type=_int_list(1), default=None,
                         help="text buckets, e.g. 16,32,64 (default: profiled staircase)")
+        sp.add_argument("--no-tune", action="store_true",
+                        help="compile each cell with the fixed option rule instead of timing the alternatives "
+                             "(YNNPACK fusions on/off) and keeping the fastest on this machine; a warmup job and "
+                             "its server must agree, since the choice is part of the cache key")
         sp.add_argument("--gammas", type=_int_list(), default=None,
                         help="image OTAS gammas, e.g. --gammas=-2,0,2 (default: the model's OTAS list under "
                              "--policy otas|pets|tome|vpt or profile --accuracy, else 0)")

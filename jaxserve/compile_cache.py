@@ -155,7 +155,9 @@ class ManifestRow:
     compile_seconds: float
     source: str  # "serialized" (fast path), "compiled" (miss), "rebuilt" (corrupt entry replaced),
     #              or "xla-cache" (loaded from XLA's persistent cache; not re-serialized: see CompileCache)
-    compile_options: dict = field(default_factory=dict)  # per-cell XLA options (Servable.options_of)
+    compile_options: dict = field(default_factory=dict)  # the XLA options the executable was compiled with
+    # warmup's tuning (PolymorphTable): best time per candidate, ms, keyed by options_label; {} when not tuned
+    tuning_ms: dict = field(default_factory=dict)
     precision: str = "f32"  # dense-kernel dtype (jaxserve.models.precision)
     host_cpu: str = ""  # the CPU instruction set it was compiled for (host_cpu(); "" off the CPU)
 
@@ -327,15 +329,19 @@ class CompileCache:
         if use_xla_cache:
             enable_xla_cache(xla_dir)
 
-    def compile(self, key: str, lowered, description: dict[str, Any]) -> tuple[Any, str]:
-        """Compile ``lowered`` (with ``description["compile_options"]``, if any) and store it
-        under ``key`` unless it came from the XLA cache (see the class docstring). Returns
-        the executable and where it came from: "compiled" or "xla-cache"."""
-        options = description.get("compile_options") or None
+    def compile(self, key: str, lowered, description: dict[str, Any], options: dict[str, str] | None = None,
+                store: bool = True) -> tuple[Any, str]:
+        """Compile ``lowered`` (with ``options``, default ``description["compile_options"]``)
+        and store it under ``key`` unless it came from the XLA cache (see the class
+        docstring) or ``store`` is False (a candidate that warmup's tuning may not keep: the
+        table stores the one it keeps). Returns the executable and where it came from:
+        "compiled" or "xla-cache"."""
+        options = (options if options is not None else description.get("compile_options")) or None
         if self.compile_fresh or self.bypass_xla:
             with xla_cache_bypassed():
                 compiled = lowered.compile(compiler_options=options)
-            self.store(key, compiled, description)
+            if store:
+                self.store(key, compiled, description)
             if self.compile_fresh:
                 lowered.compile(compiler_options=options)  # through the XLA cache too: a miss writes the entry
                 self.restrict_modes()
@@ -345,7 +351,8 @@ class CompileCache:
         if xla_cache_hits() != hits:
             return compiled, "xla-cache"
         self.restrict_modes()  # the miss wrote an XLA cache entry
-        self.store(key, compiled, description)
+        if store:
+            self.store(key, compiled, description)
         return compiled, "compiled"
 
     def restrict_modes(self) -> None:
@@ -383,10 +390,18 @@ class CompileCache:
             return None
 
     def store(self, key: str, compiled, description: dict[str, Any]) -> None:
-        from jax.experimental import serialize_executable
+        self.store_payload(key, serialized(compiled), description)
 
-        payload, _, _ = serialize_executable.serialize(compiled)
+    def store_payload(self, key: str, payload: bytes, description: dict[str, Any]) -> None:
+        """Store an executable already serialized (:func:`serialized`)."""
         self._write_entry(key, payload, description)
+
+    def description(self, key: str) -> dict[str, Any]:
+        """What was stored with the entry under ``key`` (its sidecar); {} if unreadable."""
+        try:
+            return json.loads(self._paths(key)[1].read_text())
+        except (OSError, ValueError):
+            return {}
 
     def _read_entry(self, key: str) -> bytes | None:
         """The payload stored under ``key`` (verified against the checksum in its own file),
@@ -462,6 +477,16 @@ class CompileCache:
             body = {"updated": time.strftime("%Y-%m-%dT%H:%M:%S"), "entries": list(change(rows).values())}
             write_owner_only(path, json.dumps(body, indent=1).encode())
         return path
+
+
+def serialized(compiled) -> bytes:
+    """An executable's bytes for the cache. Take them before its first call: on jax 0.10 an
+    executable that has run can fail to serialize (``UNIMPLEMENTED: `LessThan` is not
+    serializable``, seen with the ViT cells)."""
+    from jax.experimental import serialize_executable
+
+    payload, _, _ = serialize_executable.serialize(compiled)
+    return payload
 
 
 def enable_xla_cache(path: str | Path) -> None:

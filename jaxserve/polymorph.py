@@ -27,6 +27,7 @@ from jaxserve.compile_cache import (
     entry_key,
     environment_fingerprint,
     install_compile_counter,
+    serialized,
 )
 from jaxserve.sched.base import Cell, ShapeGrid
 
@@ -46,7 +47,11 @@ def ynn_off(when: bool, platform: str | None = None, keep: tuple[str, ...] = ())
     platform = platform or jax.default_backend()
     if not when or platform != "cpu":
         return {}
-    return {"xla_cpu_experimental_ynn_fusion_type": ",".join(f"LIBRARY_FUSION_TYPE_{k}" for k in keep)}
+    return {YNN_OPTION: ",".join(f"{_YNN_KIND}{k}" for k in keep)}
+
+
+YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
+_YNN_KIND = "LIBRARY_FUSION_TYPE_"
 
 
 class NotWarmError(KeyError):
@@ -71,8 +76,12 @@ class Servable:
     fn_for: Callable[[Cell], Callable]
     input_specs: Callable[[Cell], tuple[jax.ShapeDtypeStruct, ...]]
     variant_of: Callable[[Cell], str] = lambda cell: ""
-    # XLA compiler options per cell (part of the cache key): e.g. polymorph.ynn_off
+    # XLA compiler options per cell (part of the cache key): e.g. polymorph.ynn_off. The
+    # fixed rule, used where a table does not tune (or the servable offers no alternatives)
     options_of: Callable[[Cell], dict[str, str]] = lambda cell: {}
+    # alternatives a tuning table times at warmup, keeping the fastest on this machine: for
+    # options whose best choice depends on the CPU, not only on the model and the shape
+    option_candidates: Callable[[Cell], tuple[dict[str, str], ...]] = lambda cell: ()
     precision: str = "f32"  # dense-kernel dtype (jaxserve.models.precision); part of the cache key
 
     def abstract_args(self, cell: Cell) -> tuple:
@@ -83,18 +92,59 @@ class Servable:
 class CellStats:
     source: str = ""
     compile_seconds: float = 0.0
+    compile_options: dict = field(default_factory=dict)  # what the cell's executable was compiled with
+
+
+def options_label(options: dict[str, str]) -> str:
+    """A short name for a set of compile options: "default" for none, "ynn-off" or
+    "ynn-only:individual_dot" for :func:`ynn_off`'s."""
+    parts = []
+    for k, v in sorted(options.items()):
+        if k == YNN_OPTION:
+            parts.append("ynn-only:" + v.replace(_YNN_KIND, "").lower() if v else "ynn-off")
+        else:
+            parts.append(f"{k}={v}")
+    return ",".join(parts) or "default"
 
 
 class PolymorphTable:
-    """Compiled executables for every cell of one servable's grid."""
+    """Compiled executables for every cell of one servable's grid.
 
-    def __init__(self, servable: Servable, cache: CompileCache | None = None):
+    ``tune`` (default): where the servable offers alternative compile options for a cell
+    (``Servable.option_candidates``), warmup compiles each, times it on this machine and keeps
+    the fastest. Why measure instead of a rule: which XLA:CPU options win depends on the CPU.
+    YNNPACK's fusions, for one, won at small MiniLM cells on a 2-core Xeon (AVX-512) and lost at
+    every MiniLM and BERT-base cell measured on a 2-core EPYC (AVX2): a rule fitted on one
+    machine cost up to 16% on the other (``Servable.options_of``'s docstrings give both sets
+    of numbers). The cache key names the candidates, not the winner; the entry stores the
+    winner, so later starts load it without timing again, and the manifest row says which
+    options won and every candidate's time. Timing runs each candidate on zero weights and
+    inputs (dense work costs the same whatever the values), interleaved, and keeps each
+    one's best time; the alternatives are all exact compilations of the same program, so the
+    choice changes speed, never results beyond float rounding.
+    """
+
+    def __init__(self, servable: Servable, cache: CompileCache | None = None, tune: bool = True):
         install_compile_counter()
         self.servable = servable
         self.cache = cache
+        self.tune = tune
         self._executables: dict[Cell, Any] = {}
         self.stats: dict[Cell, CellStats] = {}
         self._out_trees: dict[str, Any] = {}
+        self._zero_state = None  # the weights warmup's timing runs with, made once per table
+
+    def candidates(self, cell: Cell) -> tuple[dict[str, str], ...]:
+        """The compile options warmup chooses between for ``cell``: more than one only where
+        this table tunes and the servable's alternatives differ on this backend."""
+        if self.tune:
+            unique: list[dict[str, str]] = []
+            for options in self.servable.option_candidates(cell):
+                if options not in unique:
+                    unique.append(options)
+            if len(unique) > 1:
+                return tuple(unique)
+        return (self.servable.options_of(cell),)
 
     # ------------------------------------------------------------------ warmup
     def keys(self) -> set[str]:
@@ -110,12 +160,16 @@ class PolymorphTable:
             "config": s.config_hash,
             "cell": cell.label(),
             "variant": s.variant_of(cell),
-            "compile_options": s.options_of(cell),
+            "compile_options": self._key_options(cell),
             "precision": s.precision,
             "avals": avals,
             "env": environment_fingerprint(),
         }
         return entry_key(parts), parts
+
+    def _key_options(self, cell: Cell) -> dict:
+        candidates = self.candidates(cell)
+        return candidates[0] if len(candidates) == 1 else {"tuned": list(candidates)}
 
     def _trees(self, cell: Cell):
         """in/out pytree structures for deserialisation; the output structure depends only
@@ -132,34 +186,70 @@ class PolymorphTable:
     def warm_cell(self, cell: Cell) -> ManifestRow:
         s = self.servable
         key, parts = self._key(cell)
+        candidates = self.candidates(cell)
         t0 = time.perf_counter()
         compiled = None
         source = "compiled"
+        options, tuning_ms = candidates[0], {}
         if self.cache is not None:
             n_events = len(self.cache.events)
             compiled = self.cache.load(key, *self._trees(cell))
             if compiled is not None:
                 source = "serialized"
+                stored = self.cache.description(key)
+                options, tuning_ms = stored.get("chosen_options", options), stored.get("tuning_ms", {})
             elif len(self.cache.events) > n_events:
                 source = "rebuilt"
         if compiled is None:
             lowered = jax.jit(s.fn_for(cell)).lower(*s.abstract_args(cell))
-            if self.cache is None:
-                compiled = lowered.compile(compiler_options=parts["compile_options"] or None)
+            if len(candidates) == 1:
+                compiled, how = self._compile(key, lowered, parts, options, store=True)
             else:
-                compiled, how = self.cache.compile(key, lowered, parts)
-                if how == "xla-cache" or source != "rebuilt":
-                    source = how
+                compiled, how, options, tuning_ms = self._tune(cell, key, lowered, parts, candidates)
+            if how == "xla-cache" or source != "rebuilt":
+                source = how
         seconds = time.perf_counter() - t0
         self._executables[cell] = compiled
-        self.stats[cell] = CellStats(source, seconds)
+        self.stats[cell] = CellStats(source, seconds, options)
         env = parts["env"]
         return ManifestRow(
             model=s.name, config_hash=s.config_hash, cell=cell.label(), key=key,
             jax=env["jax"], jaxlib=env["jaxlib"], xla_flags=env["xla_flags"],
-            compile_seconds=round(seconds, 4), source=source, compile_options=parts["compile_options"],
-            precision=s.precision, host_cpu=env["host_cpu"],
+            compile_seconds=round(seconds, 4), source=source, compile_options=options,
+            precision=s.precision, host_cpu=env["host_cpu"], tuning_ms=tuning_ms,
         )
+
+    def _compile(self, key: str, lowered, parts: dict, options: dict, store: bool) -> tuple[Any, str]:
+        if self.cache is None:
+            return lowered.compile(compiler_options=options or None), "compiled"
+        return self.cache.compile(key, lowered, parts, options=options, store=store)
+
+    def _tune(self, cell: Cell, key: str, lowered, parts: dict, candidates) -> tuple[Any, str, dict, dict]:
+        """Compile every candidate, time each, keep (and store) the fastest. Returns
+        (executable, where it came from, its options, best ms per candidate)."""
+        built = [self._compile(key, lowered, parts, options, store=False) for options in candidates]
+        # serialized before timing runs them (compile_cache.serialized); an XLA-cache load never is
+        payloads = [serialized(c) if self.cache is not None and how == "compiled" else None for c, how in built]
+        best = _best_times([b[0] for b in built], self._timing_args(cell))
+        winner = min(range(len(candidates)), key=best.__getitem__)
+        compiled, how = built[winner]
+        tuning_ms = {options_label(o): round(t * 1e3, 3) for o, t in zip(candidates, best)}
+        if payloads[winner] is not None:
+            self.cache.store_payload(key, payloads[winner],
+                                     dict(parts, chosen_options=candidates[winner], tuning_ms=tuning_ms))
+        log.info("%s %s: %s (%s)", self.servable.name, cell.label(), options_label(candidates[winner]),
+                 ", ".join(f"{k} {v:.2f} ms" for k, v in tuning_ms.items()))
+        return compiled, how, candidates[winner], tuning_ms
+
+    def _timing_args(self, cell: Cell) -> tuple:
+        """Zero weights (made once per table, on the device, with no compile) and inputs for
+        ``cell``; integer inputs are ones (a valid token id and a full attention mask)."""
+        if self._zero_state is None:
+            self._zero_state = jax.tree_util.tree_map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype)),
+                                                      self.servable.abstract_state)
+        inputs = tuple(np.ones(a.shape, a.dtype) if np.issubdtype(a.dtype, np.integer) else np.zeros(a.shape, a.dtype)
+                       for a in self.servable.input_specs(cell))
+        return (self._zero_state, *inputs)
 
     def warmup(self, cells: Sequence[Cell] | None = None, progress: bool = False,
                stop: Callable[[], bool] | None = None) -> list[ManifestRow]:
@@ -197,6 +287,27 @@ class PolymorphTable:
         """Run one executable; outputs come back as host numpy arrays (blocking)."""
         out = self.executable(cell)(state, *inputs)
         return jax.tree_util.tree_map(np.asarray, out)
+
+
+def _best_times(executables: Sequence[Any], args: tuple, rounds: int = 3, min_seconds: float = 0.02) -> list[float]:
+    """Each executable's best seconds per call over ``rounds`` interleaved rounds (each round
+    repeats calls for at least ``min_seconds``). The minimum discounts a first call's
+    one-time costs, and with the interleaving keeps another tenant's burst from deciding; a
+    third round runs only when the first two leave the candidates within 10% of each other."""
+    best = [float("inf")] * len(executables)
+    for r in range(rounds):
+        for i, ex in enumerate(executables):
+            calls, t0 = 0, time.perf_counter()
+            while True:
+                jax.block_until_ready(ex(*args))
+                calls += 1
+                elapsed = time.perf_counter() - t0
+                if elapsed >= min_seconds:
+                    break
+            best[i] = min(best[i], elapsed / calls)
+        if r == 1 and max(best) > 1.1 * min(best):
+            break
+    return best
 
 
 class WarmupCancelled(Exception):

@@ -64,10 +64,11 @@ def text_grid(model: str = "minilm-l6", buckets: tuple[int, ...] | None = None,
 
 
 def load_text_runtime(name: str = "minilm-l6", cache=None, grid: ShapeGrid | None = None,
-                      progress: bool = False, heads_dir: Path | None = None, precision: str = "f32", stop=None):
+                      progress: bool = False, heads_dir: Path | None = None, precision: str = "f32", stop=None,
+                      tune: bool = True):
     """MiniLM (or any HF-format BERT dir) warmed over its grid, with its task heads.
     ``precision``: "f32" or "bf16" dense kernels (jaxserve.models.precision); ``stop``: as
-    ``PolymorphTable.warmup``'s."""
+    ``PolymorphTable.warmup``'s; ``tune``: as ``PolymorphTable``'s."""
     from jaxserve.models.bert import load_hf_bert
     from jaxserve.models.tokenizer import TextTokenizer
     from jaxserve.polymorph import PolymorphTable
@@ -77,7 +78,7 @@ def load_text_runtime(name: str = "minilm-l6", cache=None, grid: ShapeGrid | Non
     model_dir = minilm_dir()
     cfg, model = load_hf_bert(model_dir)
     grid = grid or text_grid(name)
-    table = PolymorphTable(bert_servable(name, cfg, grid, precision), cache)
+    table = PolymorphTable(bert_servable(name, cfg, grid, precision), cache, tune=tune)
     table.warmup(progress=progress, stop=stop)
     heads_dir = heads_dir or ASSETS / "heads" / name
 
@@ -122,7 +123,7 @@ def vit_demo_prompts_dir() -> Path:
 
 
 def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | None = None, progress: bool = False,
-                       prompts_dir: Path | None = None, precision: str = "f32", stop=None):
+                       prompts_dir: Path | None = None, precision: str = "f32", stop=None, tune: bool = True):
     """The demo ViT warmed over its grid, serving every task of its prompt repository.
 
     Each task's prompts and heads come from the repository (jaxserve/prompts.py) and are
@@ -175,7 +176,8 @@ def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | Non
         return heads, repo, accuracy
 
     heads, repo, accuracy = read_assets()
-    table = PolymorphTable(vit_servable(name, cfg, grid, repo.prompt_mode, repo.num_classes, precision), cache)
+    table = PolymorphTable(vit_servable(name, cfg, grid, repo.prompt_mode, repo.num_classes, precision), cache,
+                           tune=tune)
     table.warmup(progress=progress, stop=stop)
     compiled_for.update(shape_of(repo))
     norm = meta.get("normalisation", {"mean": 0.0, "std": 1.0})

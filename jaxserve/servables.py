@@ -32,7 +32,21 @@ def bert_servable(name: str, cfg: BertConfig, grid: ShapeGrid, precision: str = 
         name=name, kind="text", config_hash=cfg.key(), grid=grid,
         abstract_state=abstract_state, fn_for=lambda cell: encode, input_specs=specs,
         options_of=bert_options if precision == "f32" else bert_bf16_options, precision=precision,
+        option_candidates=ynn_candidates if precision == "f32" else ynn_bf16_candidates,
     )
+
+
+def ynn_candidates(cell: Cell) -> tuple[dict[str, str], ...]:
+    """What a tuning table times per float32 cell (PolymorphTable): YNNPACK's fusions on, or
+    off. Which wins depends on the CPU as much as on the cell (``bert_options``,
+    ``vit_options``)."""
+    return ynn_off(False), ynn_off(True)
+
+
+def ynn_bf16_candidates(cell: Cell) -> tuple[dict[str, str], ...]:
+    """bf16 cells choose between every YNN fusion and YNN for single dots only; never YNN
+    off, which runs bf16 dots slower than float32 (``bert_bf16_options``)."""
+    return ynn_off(False), ynn_off(True, keep=("INDIVIDUAL_DOT",))
 
 
 def bert_bf16_options(cell: Cell) -> dict[str, str]:
@@ -47,7 +61,13 @@ def bert_bf16_options(cell: Cell) -> dict[str, str]:
 
 
 def bert_options(cell: Cell) -> dict[str, str]:
-    """YNNPACK off for cells of >= 4096 rows (batch x bucket) on the CPU.
+    """The fixed rule, for tables that do not tune: YNNPACK off for cells of >= 4096 rows
+    (batch x bucket) on the CPU.
+
+    Fitted on a 2-core Xeon (below). On a 2-core EPYC (Zen 3, AVX2) YNN lost at every cell
+    measured (time off / on, fused attention, 3 interleaved rounds): MiniLM 8x32 0.96, 8x64
+    0.93, 32x32 0.97, 32x64 0.93, 8x128 0.97; BERT-base 8x128 0.84, 32x128 0.74. No one
+    threshold fits both machines, which is why warmup tunes by default (PolymorphTable).
 
     From 4096 rows, XLA's YNN pass merges each layer's attention-out projection, residual,
     LayerNorm, MLP and second LayerNorm into one fusion (34 instead of 69-70 per MiniLM
@@ -110,6 +130,7 @@ def vit_servable(name: str, cfg, grid: ShapeGrid, prompt_mode: str = "replace",
         name=name, kind="image", config_hash=cfg.key(), grid=grid, abstract_state=abstract_state,
         fn_for=fn_for, input_specs=specs, variant_of=variant,
         options_of=vit_options if precision == "f32" else vit_bf16_options, precision=precision,
+        option_candidates=ynn_candidates if precision == "f32" else ynn_bf16_candidates,
     )
 
 

@@ -51,6 +51,7 @@ class ServeSettings:
     ssl_keyfile: str | None = None
     cost_model: str | None = None
     precision: str = "f32"  # dense-kernel dtype of every model: "f32" or "bf16" (jaxserve.models.precision)
+    tune: bool = True  # warmup times each cell's alternative compile options and keeps the fastest (PolymorphTable)
     progress: bool = True
     text_grid: object = None  # ShapeGrid override (tests use a small one)
     image_grid: object = None
@@ -77,11 +78,13 @@ def load_runtimes(settings: ServeSettings, cache: CompileCache | None,
         if name == "minilm-l6":
             runtimes[name] = registry.load_text_runtime(
                 name, cache, settings.text_grid, settings.progress, precision=settings.precision,
-                heads_dir=None if settings.heads_dir is None else Path(settings.heads_dir), stop=stop)
+                heads_dir=None if settings.heads_dir is None else Path(settings.heads_dir), stop=stop,
+                tune=settings.tune)
         elif name == "vit-demo":
             runtimes[name] = registry.load_image_runtime(name, cache, settings.image_grid, settings.progress,
                                                          prompts_dir=settings.prompts_dir,
-                                                         precision=settings.precision, stop=stop)
+                                                         precision=settings.precision, stop=stop,
+                                                         tune=settings.tune)
         else:
             raise ValueError(f"unknown model {name!r}; known: minilm-l6, vit-demo")
     return runtimes
