@@ -373,6 +373,9 @@ def build_app(settings: ServeSettings, on_warmup_error: Callable[[], None] | Non
     return app
 
 
+LINGER_S = 2.0  # after an early answer: how long the rest of a body is read and dropped, at most
+
+
 def timed_protocol(header_timeout_s: float, on_timeout: Callable[[str], None] | None = None) -> type:
     """uvicorn's httptools protocol with a deadline on request headers.
 
@@ -392,7 +395,12 @@ def timed_protocol(header_timeout_s: float, on_timeout: Callable[[str], None] | 
     Two ways around those deadlines are closed too. A request answered before its body
     arrived (a 401, 404 or early 413 that never reads it) has its connection closed once
     answered: uvicorn would go on reading the rest of that body to discard it, with no
-    deadline, each byte cancelling its keep-alive timer. And bytes that arrive between
+    deadline, each byte cancelling its keep-alive timer. That close lingers (RFC 7230 §6.6):
+    the server half-closes after its answer, drops whatever else arrives and closes when the
+    client does or after ``LINGER_S``. Closing at once, with the client's bytes unread or
+    still arriving, makes the kernel answer with a reset that can discard the answer before
+    the client reads it (seen under load: httpx's 'Connection reset by peer' for a 401).
+    And bytes that arrive between
     requests (blank lines, which the parser skips without starting a request) start the
     next request's header deadline, since they cancel uvicorn's keep-alive timer too."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -414,7 +422,11 @@ def timed_protocol(header_timeout_s: float, on_timeout: Callable[[str], None] | 
             super().connection_made(transport)
             self._arm()
 
+        _linger_timer: asyncio.TimerHandle | None = None
+
         def data_received(self, data: bytes) -> None:
+            if self._linger_timer is not None:
+                return  # after an early answer: the rest of the body is taken in and dropped
             self._got_bytes = self._got_bytes or bool(data)
             if data and self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
                 self._arm()  # between requests: these bytes begin the next one's headers
@@ -423,7 +435,15 @@ def timed_protocol(header_timeout_s: float, on_timeout: Callable[[str], None] | 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
-                self.transport.close()  # answered before its body came: not read on, to no deadline
+                self._linger()  # answered before its body came: not read on, to no deadline
+
+        def _linger(self) -> None:
+            self._disarm()
+            self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
+            if self.transport.can_write_eof():  # TLS cannot half-close: it only drains, then closes
+                self.transport.write_eof()
+            self.flow.resume_reading()  # uvicorn pauses reading a body nobody reads
+            # the client's end of stream closes the connection (uvicorn's eof_received)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -436,6 +456,8 @@ def timed_protocol(header_timeout_s: float, on_timeout: Callable[[str], None] | 
 
         def connection_lost(self, exc) -> None:
             self._disarm()
+            if self._linger_timer is not None:
+                self._linger_timer.cancel()
             super().connection_lost(exc)
 
         def _headers_late(self) -> None:

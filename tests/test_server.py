@@ -512,6 +512,27 @@ def test_slow_clients_are_cut_off_and_counted(server, client):
     assert _series(server.url, "jaxserve_compilations") == compiles
 
 
+def test_an_early_answer_is_followed_by_a_lingering_close(server):
+    """A request answered before its body is read (a 404 here; a 401 or an early 413 alike)
+    while the client is still sending that body. Closing the socket at once, with the
+    client's bytes unread or still arriving, makes the kernel send a reset, which can
+    discard the answer before it reaches the client: a clean-clone run under load saw
+    httpx's 'Connection reset by peer' instead of a 401. So the server closes as RFC 7230
+    §6.6 asks: it half-closes after the answer and reads on, dropping the rest, until the
+    client is done or a short linger ends. Seen from the client: the whole answer, then more
+    body sent without a reset, then the end of the stream."""
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v2/nothing HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 1000000\r\n\r\n" + b"x" * 1000)
+        sock.settimeout(30)
+        answer = _read_response(sock)
+        assert answer.startswith(b"HTTP/1.1 404"), answer
+        for _ in range(10):  # the rest of the body keeps coming for a while: taken in and dropped
+            time.sleep(0.05)
+            sock.sendall(b"x" * 1000)  # a reset here (BrokenPipe / ConnectionReset): closed at once
+        assert _read_to_eof(sock) == b""  # the server's FIN after its answer, not a reset
+
+
 def test_no_trickle_outlives_the_deadlines(server, client):
     """Two ways a slow client could dodge the deadlines above: a request answered before its
     body came (here a 404, which never reads it) keeps trickling that body, and a keep-alive
