@@ -112,15 +112,16 @@ class PolymorphTable:
 
     ``tune`` (default): where the servable offers alternative compile options for a cell
     (``Servable.option_candidates``), warmup compiles each, times it on this machine and keeps
-    the fastest. Why measure instead of a rule: which XLA:CPU options win depends on the CPU.
-    YNNPACK's fusions, for one, won at small MiniLM cells on a 2-core Xeon (AVX-512) and lost at
-    every MiniLM and BERT-base cell measured on a 2-core EPYC (AVX2): a rule fitted on one
-    machine cost up to 16% on the other (``Servable.options_of``'s docstrings give both sets
-    of numbers). The cache key names the candidates, not the winner; the entry stores the
+    the fastest. Why measure instead of a rule: which XLA:CPU options win depends on the
+    machine. YNNPACK's fusions won by up to 15% at small MiniLM cells on a 2-core Xeon
+    (AVX-512), where the fixed rule was fitted; on a 2-core EPYC (AVX2) one A/B run found them
+    slower at every cell tried (up to 16% at BERT-base 8x128, where the rule keeps them on),
+    and ``bench/tuning.py`` there later found near ties below 4096 rows and YNN off taking 0.75-0.86x the time
+    above, as the rule says (``Servable.options_of``'s docstrings give the numbers). A rule
+    can only be right for the machine it was fitted on; a measurement is right where it runs. The cache key names the candidates, not the winner; the entry stores the
     winner, so later starts load it without timing again, and the manifest row says which
-    options won and every candidate's time. Timing runs each candidate on zero weights and
-    inputs (dense work costs the same whatever the values), interleaved, and keeps each
-    one's best time; the alternatives are all exact compilations of the same program, so the
+    options won and every candidate's time. Timing runs each candidate on stand-in weights
+    and inputs (:meth:`_timing_args`), interleaved, and keeps each one's best time; the alternatives are all exact compilations of the same program, so the
     choice changes speed, never results beyond float rounding.
     """
 
@@ -132,7 +133,7 @@ class PolymorphTable:
         self._executables: dict[Cell, Any] = {}
         self.stats: dict[Cell, CellStats] = {}
         self._out_trees: dict[str, Any] = {}
-        self._zero_state = None  # the weights warmup's timing runs with, made once per table
+        self._timing_state = None  # the weights warmup's timing runs with, made once per table
 
     def candidates(self, cell: Cell) -> tuple[dict[str, str], ...]:
         """The compile options warmup chooses between for ``cell``: more than one only where
@@ -242,14 +243,22 @@ class PolymorphTable:
         return compiled, how, candidates[winner], tuning_ms
 
     def _timing_args(self, cell: Cell) -> tuple:
-        """Zero weights (made once per table, on the device, with no compile) and inputs for
-        ``cell``; integer inputs are ones (a valid token id and a full attention mask)."""
-        if self._zero_state is None:
-            self._zero_state = jax.tree_util.tree_map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype)),
-                                                      self.servable.abstract_state)
-        inputs = tuple(np.ones(a.shape, a.dtype) if np.issubdtype(a.dtype, np.integer) else np.zeros(a.shape, a.dtype)
-                       for a in self.servable.input_specs(cell))
-        return (self._zero_state, *inputs)
+        """Stand-in weights (made once per table, on the device, with no compile) and inputs
+        for ``cell``: small random floats, integers all ones (a valid token id, a full mask).
+
+        Not zeros: a large ``np.zeros`` may be backed by the kernel's one shared zero page
+        until written, which real weights are not. Measured at BERT-base 8x128, both
+        candidates: these stand-ins and the real weights time within 1% of each other."""
+        rng = np.random.default_rng(0)
+
+        def fill(a):
+            if np.issubdtype(a.dtype, np.integer):
+                return np.ones(a.shape, a.dtype)
+            return (rng.standard_normal(a.shape, np.float32) * 0.02).astype(a.dtype)
+
+        if self._timing_state is None:
+            self._timing_state = jax.tree_util.tree_map(lambda a: jax.device_put(fill(a)), self.servable.abstract_state)
+        return (self._timing_state, *(fill(a) for a in self.servable.input_specs(cell)))
 
     def warmup(self, cells: Sequence[Cell] | None = None, progress: bool = False,
                stop: Callable[[], bool] | None = None) -> list[ManifestRow]:
@@ -289,13 +298,14 @@ class PolymorphTable:
         return jax.tree_util.tree_map(np.asarray, out)
 
 
-def _best_times(executables: Sequence[Any], args: tuple, rounds: int = 3, min_seconds: float = 0.02) -> list[float]:
+def _best_times(executables: Sequence[Any], args: tuple, rounds: int = 2, min_seconds: float = 0.02) -> list[float]:
     """Each executable's best seconds per call over ``rounds`` interleaved rounds (each round
     repeats calls for at least ``min_seconds``). The minimum discounts a first call's
-    one-time costs, and with the interleaving keeps another tenant's burst from deciding; a
-    third round runs only when the first two leave the candidates within 10% of each other."""
+    one-time costs, and with the interleaving keeps another tenant's burst from deciding.
+    Two rounds: more would only settle near ties, where the choice costs little either way,
+    and warmup pays for every call (``bench/coldstart.py``)."""
     best = [float("inf")] * len(executables)
-    for r in range(rounds):
+    for _ in range(rounds):
         for i, ex in enumerate(executables):
             calls, t0 = 0, time.perf_counter()
             while True:
@@ -305,8 +315,6 @@ def _best_times(executables: Sequence[Any], args: tuple, rounds: int = 3, min_se
                 if elapsed >= min_seconds:
                     break
             best[i] = min(best[i], elapsed / calls)
-        if r == 1 and max(best) > 1.1 * min(best):
-            break
     return best
 
 

@@ -64,10 +64,12 @@ def bert_options(cell: Cell) -> dict[str, str]:
     """The fixed rule, for tables that do not tune: YNNPACK off for cells of >= 4096 rows
     (batch x bucket) on the CPU.
 
-    Fitted on a 2-core Xeon (below). On a 2-core EPYC (Zen 3, AVX2) YNN lost at every cell
-    measured (time off / on, fused attention, 3 interleaved rounds): MiniLM 8x32 0.96, 8x64
-    0.93, 32x32 0.97, 32x64 0.93, 8x128 0.97; BERT-base 8x128 0.84, 32x128 0.74. No one
-    threshold fits both machines, which is why warmup tunes by default (PolymorphTable).
+    Fitted on a 2-core Xeon (below). On a 2-core EPYC (Zen 3, AVX2) one A/B run (time off /
+    on, fused attention, 3 interleaved rounds) found YNN slower at every cell: MiniLM 8x32
+    0.96, 8x64 0.93, 32x32 0.97, 32x64 0.93, 8x128 0.97; BERT-base 8x128 0.84, 32x128 0.74;
+    ``bench/tuning.py`` on the same machine an hour later: 0.97-1.07 below 4096 rows, 0.75-0.86
+    from 4096 (bench/RESULTS.md, tuning). Where the threshold lies depends on the machine and
+    its state, which is why warmup measures it by default (PolymorphTable).
 
     From 4096 rows, XLA's YNN pass merges each layer's attention-out projection, residual,
     LayerNorm, MLP and second LayerNorm into one fusion (34 instead of 69-70 per MiniLM
