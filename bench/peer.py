@@ -104,7 +104,7 @@ from flax import nnx  # noqa: E402
 from bench.common import bert_flops, bert_inputs, invocation, splice  # noqa: E402
 from jaxserve import kernels  # noqa: E402
 from jaxserve.models.bert import BERT_CONFIGS, BertConfig, export_hf_bert, init_bert, load_hf_bert, make_encode_fn  # noqa: E402
-from jaxserve.polymorph import PolymorphTable  # noqa: E402
+from jaxserve.polymorph import PolymorphTable, options_label  # noqa: E402
 from jaxserve.registry import minilm_dir  # noqa: E402
 from jaxserve.sched.base import Cell, ShapeGrid  # noqa: E402
 from jaxserve.servables import bert_servable, weights_of  # noqa: E402
@@ -224,7 +224,8 @@ class CellResult:
     round_medians: dict[str, list[float]] = field(default_factory=dict)  # impl -> per-round wall medians
     round_cpu: dict[str, list[float]] = field(default_factory=dict)  # impl -> per-round CPU medians
     first: dict[str, float] = field(default_factory=dict)  # impl -> seconds to first result
-    compile_only: float = 0.0  # jax: lower+compile seconds of the cell
+    compile_only: float = 0.0  # jax: the table's warmup of the cell (tuning included), seconds
+    options: str = ""  # jax: the compile options warmup's tuning kept (polymorph.options_label)
     parity: dict[str, float] = field(default_factory=dict)  # impl -> max |embedding - ours|
     cos_f32: dict[str, float] = field(default_factory=dict)  # --precision bf16: impl -> min cosine to float32
     errors: dict[str, str] = field(default_factory=dict)
@@ -285,6 +286,7 @@ def run_grid(args, worker: TorchWorker, models: list[str], batches, lengths, tmp
                 out = table.run(cell, weights, ids, mask)
                 res.first["ours"] = time.perf_counter() - t0
                 res.compile_only = row.compile_seconds
+                res.options = options_label(row.compile_options)
                 ours_emb = out["embedding"]
                 calls = {"ours": lambda cell=cell, ids=ids, mask=mask: table.run(cell, weights, ids, mask)}
                 if bf16:
@@ -406,7 +408,7 @@ def report(args, results: list[CellResult], peaks: dict, info: dict, started: st
                  "of that ceiling: over 100% no float32 implementation doing the same arithmetic can reach.\n")
     has_xla_attn = any("xla-attn" in r.times for r in results)
     has_ma = any("compile-max-autotune" in r.times for r in results)
-    head = ["model", "B", "S", "ours ms", "eager ms (impl)", "compile ms"] + (["max-autotune ms"] if has_ma else [])
+    head = ["model", "B", "S", "ours ms (options)", "eager ms (impl)", "compile ms"] + (["max-autotune ms"] if has_ma else [])
     head += ["ours/eager", "ours/compile"] + (["ours/xla-attn"] if has_xla_attn else [])
     if bf16:
         head += ["eager f32 ms", "ours/eager f32", "GFLOP/s ours / eager / compile",
@@ -421,7 +423,7 @@ def report(args, results: list[CellResult], peaks: dict, info: dict, started: st
         best_eager = _best_eager(r)
         gw = lambda impl: r.flops / (r.median_ms(impl) / 1e3) / 1e9 if r.times.get(impl) else math.nan  # noqa: E731
         gc = lambda impl: r.flops / (r.cpu_ms(impl) / 1e3) / 1e9 if r.cpu.get(impl) else math.nan  # noqa: E731
-        row = [r.model, str(r.batch), str(r.seq), fmt(r.median_ms("ours")),
+        row = [r.model, str(r.batch), str(r.seq), f"{fmt(r.median_ms('ours'))} ({r.options or '?'})",
                f"{fmt(r.median_ms(best_eager))} ({best_eager.replace('eager-', '')})" if best_eager else "–",
                fmt(r.median_ms("compile-default"))]
         if has_ma:
@@ -470,7 +472,9 @@ def report(args, results: list[CellResult], peaks: dict, info: dict, started: st
                  + "; ".join(f"{r.model} {r.batch}x{r.seq} {r.median_ms('eager-sdpa'):.0f}/{r.median_ms('eager-eager'):.0f}"
                              for r in results if r.times.get("eager-eager")) + ".")
     L.append("\n## Grid warmup: time to first result per shape (seconds)\n")
-    L.append("JAX: `jit(...).lower(...).compile()` of the cell (the polymorph table's warmup), then the first call. "
+    L.append("JAX: the polymorph table's warmup of the cell: `jit(...).lower(...).compile()` of each candidate set of "
+             "options (YNN fusions on / off), timing them and keeping the fastest ('JAX compile' includes that "
+             "tuning), then the first call. "
              "torch.compile(dynamic=False): a fresh wrapper per shape, the first call (dynamo + inductor, "
              "inductor cache cold at the start of the run). Eager: the first call.\n")
     head = ["model", "B", "S", "JAX compile", "JAX first result", "torch.compile first result", "eager first result"]
