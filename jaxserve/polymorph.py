@@ -116,13 +116,15 @@ class PolymorphTable:
     machine. YNNPACK's fusions won by up to 15% at small MiniLM cells on a 2-core Xeon
     (AVX-512), where the fixed rule was fitted; on a 2-core EPYC (AVX2) one A/B run found them
     slower at every cell tried (up to 16% at BERT-base 8x128, where the rule keeps them on),
-    and ``bench/tuning.py`` there later found near ties below 4096 rows and YNN off taking 0.75-0.86x the time
-    above, as the rule says (``Servable.options_of``'s docstrings give the numbers). A rule
-    can only be right for the machine it was fitted on; a measurement is right where it runs. The cache key names the candidates, not the winner; the entry stores the
+    and ``bench/tuning.py`` there later found near ties below 4096 rows and YNN off taking
+    0.75-0.86x the time above, as the rule says (``Servable.options_of``'s docstrings give
+    the numbers). A rule is right for the machine it was fitted on; a measurement is right
+    where it runs. The cache key names the candidates, not the winner; the entry stores the
     winner, so later starts load it without timing again, and the manifest row says which
     options won and every candidate's time. Timing runs each candidate on stand-in weights
-    and inputs (:meth:`_timing_args`), interleaved, and keeps each one's best time; the alternatives are all exact compilations of the same program, so the
-    choice changes speed, never results beyond float rounding.
+    and inputs (:meth:`_timing_args`, freed when :meth:`warmup` ends), interleaved, and
+    keeps each one's best time. The alternatives are compilations of the same program, so
+    the choice changes speed, never results beyond float rounding.
     """
 
     def __init__(self, servable: Servable, cache: CompileCache | None = None, tune: bool = True):
@@ -277,6 +279,7 @@ class PolymorphTable:
             rows.append(self.warm_cell(cell))
             if progress:
                 it.set_postfix_str(f"{cell.label()} {rows[-1].source} {rows[-1].compile_seconds:.2f}s")
+        self._timing_state = None  # stand-in weights, as large as the model's: not kept once warm
         if self.cache is not None:
             self.cache.write_manifest(rows)
         return rows
