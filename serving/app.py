@@ -227,13 +227,19 @@ class Guard:
         if not (0 < len(rid) <= 128 and all(33 <= c <= 126 for c in rid)):
             rid = uuid.uuid4().hex.encode()
         send = _with_header(send, (b"x-request-id", rid))
+        declared = headers.get(b"content-length")
+        has_body = (declared is not None and declared not in (b"", b"0")) or b"chunked" in headers.get(
+            b"transfer-encoding", b"").lower()
+        # An answer sent before the body it follows was read says 'connection: close': the
+        # server drops the rest of that body and closes (lingering, serving.server), so a
+        # client must not send its next request on this connection.
+        unread = _with_header(send, (b"connection", b"close")) if has_body else send
         if self.api_key is not None and scope["path"] not in self.OPEN_PATHS and not self._authorized(headers):
-            return await self._refuse(scope, send, _error(
+            return await self._refuse(scope, unread, _error(
                 401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'", "authorization",
                 {"www-authenticate": "Bearer"}))
-        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(scope, send, self._too_large().response())
+            return await self._refuse(scope, unread, self._too_large().response())
         seen, started, body_done = 0, False, False
         deadline = asyncio.get_running_loop().time() + self.body_timeout_s
 
@@ -262,7 +268,7 @@ class Guard:
         async def tracked(message):
             nonlocal started
             started = started or message["type"] == "http.response.start"
-            await send(message)
+            await (send if body_done else unread)(message)
 
         try:
             await self.app(scope, counted, tracked)

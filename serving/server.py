@@ -376,6 +376,24 @@ def build_app(settings: ServeSettings, on_warmup_error: Callable[[], None] | Non
 LINGER_S = 2.0  # after an early answer: how long the rest of a body is read and dropped, at most
 
 
+class _LingeringClose:
+    """The transport as a request cycle sees it: ``close()`` lingers (the protocol's
+    ``_linger``) while the request's body is still unread, and closes at once otherwise."""
+
+    def __init__(self, protocol):
+        self._protocol = protocol
+
+    def close(self) -> None:
+        cycle = self._protocol.cycle
+        if cycle is not None and cycle.more_body:
+            self._protocol._linger()
+        else:
+            self._protocol.transport.close()
+
+    def __getattr__(self, name):
+        return getattr(self._protocol.transport, name)
+
+
 def timed_protocol(header_timeout_s: float, on_timeout: Callable[[str], None] | None = None) -> type:
     """uvicorn's httptools protocol with a deadline on request headers.
 
@@ -438,6 +456,8 @@ def timed_protocol(header_timeout_s: float, on_timeout: Callable[[str], None] | 
                 self._linger()  # answered before its body came: not read on, to no deadline
 
         def _linger(self) -> None:
+            if self._linger_timer is not None or self.transport.is_closing():
+                return
             self._disarm()
             self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
             if self.transport.can_write_eof():  # TLS cannot half-close: it only drains, then closes
@@ -453,6 +473,9 @@ def timed_protocol(header_timeout_s: float, on_timeout: Callable[[str], None] | 
         def on_headers_complete(self) -> None:
             self._disarm()
             super().on_headers_complete()
+            # uvicorn closes the connection of a 'connection: close' answer itself, through
+            # the cycle's transport: that close lingers too while the body is unread
+            self.cycle.transport = _LingeringClose(self)
 
         def connection_lost(self, exc) -> None:
             self._disarm()

@@ -519,8 +519,9 @@ def test_an_early_answer_is_followed_by_a_lingering_close(server):
     discard the answer before it reaches the client: a clean-clone run under load saw
     httpx's 'Connection reset by peer' instead of a 401. So the server closes as RFC 7230
     §6.6 asks: it half-closes after the answer and reads on, dropping the rest, until the
-    client is done or a short linger ends. Seen from the client: the whole answer, then more
-    body sent without a reset, then the end of the stream."""
+    client is done or a short linger ends. Seen from the client: the whole answer, saying
+    'connection: close' (without it httpx reused such a connection for its next request,
+    which the linger dropped), then more body sent without a reset, then the end of stream."""
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(b"POST /v2/nothing HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
                      b"content-length: 1000000\r\n\r\n" + b"x" * 1000)
