@@ -528,6 +528,7 @@ def test_an_early_answer_is_followed_by_a_lingering_close(server):
         sock.settimeout(30)
         answer = _read_response(sock)
         assert answer.startswith(b"HTTP/1.1 404"), answer
+        assert b"\r\nconnection: close\r\n" in answer.lower(), answer  # no next request on this connection
         for _ in range(10):  # the rest of the body keeps coming for a while: taken in and dropped
             time.sleep(0.05)
             sock.sendall(b"x" * 1000)  # a reset here (BrokenPipe / ConnectionReset): closed at once
