@@ -93,7 +93,7 @@ def load_text_runtime(name: str = "minilm-l6", cache=None, grid: ShapeGrid | Non
 
     heads, _, _ = read_assets()
     return ModelRuntime(name, table, weights_of(model, precision), heads, TextTokenizer(model_dir / "tokenizer.json"),
-                        embedding_dim=cfg.hidden_size, read_assets=read_assets)
+                        embedding_dim=cfg.hidden_size, num_layers=cfg.num_layers, read_assets=read_assets)
 
 
 def vit_demo_dir() -> Path:
@@ -183,4 +183,4 @@ def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | Non
     norm = meta.get("normalisation", {"mean": 0.0, "std": 1.0})
     return ModelRuntime(name, table, weights_of(model, precision), heads, None,
                         (cfg.image_size, cfg.image_size, cfg.num_channels), float(norm["mean"]), float(norm["std"]),
-                        prompts=repo, accuracy=accuracy, read_assets=read_assets)
+                        prompts=repo, accuracy=accuracy, num_layers=cfg.num_layers, read_assets=read_assets)

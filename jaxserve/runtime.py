@@ -108,6 +108,7 @@ class ModelRuntime:
     prompts: Any = None  # jaxserve.prompts.PromptRepository: per-sample prompts and heads (images)
     accuracy: AccuracyProfile | None = None  # profiled accuracy per (task, gamma), for OTAS policies
     embedding_dim: int | None = None  # width of a text model's sentence embedding
+    num_layers: int = 0  # the model's depth: its whole-model Stage is [0:num_layers] (jaxserve.sched.base.Stage)
     # re-reads (heads, prompts, accuracy) from where they were loaded, checked against this
     # runtime's executables (jaxserve.registry sets it); None: the assets cannot be reloaded
     read_assets: Callable[[], tuple[dict, Any, Any]] | None = field(default=None, repr=False)

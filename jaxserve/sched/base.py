@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Protocol, Sequence
+from typing import Iterable, Mapping, Sequence
 
 
 @dataclass(frozen=True, order=True)
@@ -33,6 +33,41 @@ class Cell:
         return f"b{self.batch}_s{self.seq}_g{self.gamma}"
 
 
+@dataclass(frozen=True, order=True)
+class Stage:
+    """A contiguous layer range of one model: layers [start, stop) of ``num_layers``.
+
+    The first stage also holds the embeddings, the last one the pooling and head; the
+    whole model is the one-stage case (``Stage(model, 0, L, L)``). Plain data, so
+    policies can plan pipelines without importing JAX (jaxserve.stages compiles them).
+    """
+
+    model: str
+    start: int
+    stop: int
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.stop <= self.num_layers:
+            raise ValueError(f"stage [{self.start}:{self.stop}] is not a layer range of a "
+                             f"{self.num_layers}-layer model")
+
+    @property
+    def first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stop == self.num_layers
+
+    @property
+    def whole(self) -> bool:
+        return self.first and self.last
+
+    def label(self) -> str:
+        return f"{self.model}[{self.start}:{self.stop}]"
+
+
 @dataclass(frozen=True)
 class Request:
     """What a policy knows about one request."""
@@ -48,12 +83,55 @@ class Request:
 
 @dataclass(frozen=True)
 class Batch:
-    """A decision: run these requests together on ``instance`` in executable ``cell``."""
+    """A decision: run one step of these requests together on worker ``instance``.
+
+    A step runs executable ``cell`` of ``model``, or of one of its layer ranges
+    (``stage``; None: the whole model). ``final``: the step's outputs answer its
+    requests. A non-final step (a pipeline stage before the last, the small model of a
+    cascade) leaves each request *held*: its outputs are kept (the activations, for the
+    next stage; the answer, for a cascade that may stop here), and the policy later
+    either plans a next step for it, finishes it with those outputs (``Plan.finish``)
+    or evicts it. A step of a stage after the first takes the activations its
+    requests' previous step produced; every other step takes the request's input.
+    """
 
     request_ids: tuple[int, ...]
     model: str
     cell: Cell
     instance: int = 0
+    stage: Stage | None = None
+    final: bool = True
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """The small per-request summary of a step's outputs a policy gets on completion
+    (a cascade decides from it whether to go on): a classifier's top probability and
+    label; None for steps that produce no classification (embeddings, activations)."""
+
+    top_probability: float | None = None
+    label: str | None = None
+
+
+@dataclass(frozen=True)
+class PlacementChange:
+    """A change of which worker holds what, planned by a policy and carried out by the
+    engine (asynchronously: the policy hears of it through ``Policy.on_placement``).
+
+    ``action``: ``"add_worker"`` (a new worker with id ``worker``; ``stage`` None),
+    ``"remove_worker"`` (after its running step finishes), ``"load"`` (the worker
+    loads ``stage``'s parameters and executables) or ``"unload"``.
+    """
+
+    action: str
+    worker: int
+    stage: Stage | None = None
+
+    def __post_init__(self) -> None:
+        if self.action not in ("add_worker", "remove_worker", "load", "unload"):
+            raise ValueError(f"unknown placement action {self.action!r}")
+        if (self.stage is None) != (self.action in ("add_worker", "remove_worker")):
+            raise ValueError(f"{self.action!r} {'takes no' if self.stage is not None else 'needs a'} stage")
 
 
 @dataclass(frozen=True)
@@ -61,7 +139,9 @@ class Plan:
     """What a policy wants done now.
 
     ``evict`` lists requests the policy gives up on (their deadline can no longer be
-    met); the engine answers each of them with outcome ``evicted``. ``wake_at`` is
+    met); the engine answers each of them with outcome ``evicted``. ``finish`` lists
+    held requests (after a non-final step) to answer with their last step's outputs.
+    ``placement``: workers to add or remove, stages to load or unload. ``wake_at`` is
     the latest time the caller must ask again even if nothing arrives or completes
     (for example when the oldest request's slack runs out).
     """
@@ -69,24 +149,80 @@ class Plan:
     batches: tuple[Batch, ...] = ()
     evict: tuple[int, ...] = ()
     wake_at: float = math.inf
+    finish: tuple[int, ...] = ()
+    placement: tuple[PlacementChange, ...] = ()
 
 
-class Policy(Protocol):
-    """Callbacks the engine and the simulator make, always with the current time."""
+@dataclass(frozen=True)
+class WorkerView:
+    """What a policy may know of one worker: the stages it holds (a whole model is
+    ``Stage(m, 0, L, L)``) and whether it is idle now."""
 
-    def on_arrival(self, request: Request, now: float) -> None: ...
+    id: int
+    stages: frozenset[Stage]
+    idle: bool
 
-    def on_completion(self, batch: Batch, now: float) -> None: ...
 
-    def plan(self, now: float, idle_instances: Sequence[int]) -> Plan: ...
+class Policy:
+    """Every hook the engine and the simulator call, always with the current time.
 
-    def queue_depth(self) -> int: ...
+    Subclasses implement :meth:`on_arrival`, :meth:`plan` and :meth:`queue_depth`; the
+    other hooks are optional and have their defaults here, so callers never probe for
+    them. All calls come from one thread (the engine's event loop, or the simulator).
+    """
+
+    def on_arrival(self, request: Request, now: float) -> None:
+        """A request arrived. Raise to refuse it (the engine then answers 429/4xx and
+        queues nothing of the request)."""
+        raise NotImplementedError
+
+    def plan(self, now: float, idle_instances: Sequence[int]) -> Plan:
+        """What to run now on the idle workers (``idle_instances``: their ids). Called
+        after every arrival, completion, placement change and requested wake-up."""
+        raise NotImplementedError
+
+    def queue_depth(self) -> int:
+        """Requests the policy holds queued (not running)."""
+        raise NotImplementedError
+
+    def on_completion(self, batch: Batch, now: float,
+                      summaries: Mapping[int, StepSummary] | None = None) -> None:
+        """``batch`` finished (or failed) on its worker. ``summaries``: per request id,
+        its step's output summary (None where the step failed or the caller has none,
+        as in the simulator without an output model). Default: nothing."""
 
     def withdraw(self, request_id: int, now: float) -> bool:
-        """Forget a request that is still queued (its client went away): it must never
-        appear in a later plan's batches or evictions. True if it was queued; False if
-        it was already dispatched, evicted or never seen (the caller then lets it run)."""
-        ...
+        """Forget a request that is still queued or held between steps (its client went
+        away): it must never appear in a later plan. True if it was; False if it is
+        running, answered or unknown (the caller then lets it run). Default: False."""
+        return False
+
+    def admits(self, model: str) -> bool | None:
+        """Whether ``model``'s queue has room; None (default): no opinion, the caller's
+        own bound (``max_queue``) decides."""
+        return None
+
+    def describe_request(self, request_id: int) -> dict:
+        """What the policy reports about how a request was served, merged into its answer
+        (OTAS: ``gamma`` and ``outcome_type``). Default: {}."""
+        return {}
+
+    def metrics(self) -> Iterable[tuple[str, Mapping[str, str], float]]:
+        """``(name, labels, value)`` gauges for ``/metrics`` (``jaxserve_policy_<name>``)."""
+        return ()
+
+    def service_time(self, batch: Batch) -> float | None:
+        """A simulated batch's time when the cost model's price is not it (DT's dynamic
+        shapes); None (default): the cost model's."""
+        return None
+
+    def on_workers(self, workers: Sequence[WorkerView], now: float) -> None:
+        """The workers and what each holds: called once before the first plan and after
+        every placement change. Default: nothing (one-stage policies see only ids)."""
+
+    def on_placement(self, change: PlacementChange, ok: bool, seconds: float, now: float) -> None:
+        """A planned placement change is done (``ok``) or failed, after ``seconds``
+        (a load's time is the parameters' and executables' load). Default: nothing."""
 
 
 @dataclass(frozen=True)

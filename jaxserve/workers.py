@@ -1,0 +1,229 @@
+"""Workers: what holds stages (weights plus their warmed executables) and runs steps.
+
+A :class:`Worker` runs one :class:`Step` at a time (``submit`` queues behind the one
+running) and reports what it holds (:class:`Holdings`) and how long it has been busy.
+The engine keeps the placement (which worker holds which stages) and decides, through
+its policy, what runs where; a worker only does what it is told.
+
+Two implementations share this interface: :class:`ThreadWorker` (in-process: one
+thread, the runners of the process's own warmed runtimes, so a whole model or stage is
+held by reference and activations stay on the device between a worker's steps) and
+``jaxserve.ray_workers.RayWorker`` (a Ray actor in its own process, possibly on
+another node, with its own weights and compile cache).
+
+A *runner* is what executes the steps of one (model, stage): a whole-model runtime
+(:class:`~jaxserve.runtime.ModelRuntime`, ``execute(cell, payloads, tasks)``) or a
+stage runtime (:class:`~jaxserve.stages.StageRuntime`, ``execute(cell, payloads,
+tasks, carry)``). :func:`run_step` runs either and returns a :class:`StepOutput`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from jaxserve.sched.base import Cell, Stage, StepSummary
+
+
+@dataclass(frozen=True, eq=False)
+class Step:
+    """One unit of work: run ``cell`` of ``stage`` (a layer range of ``stage.model``; a
+    whole model is the full range) on a batch. The first stage (and a whole model)
+    takes ``payloads`` (token ids or images) and ``tasks``; a later stage takes
+    ``carry``, the activations its predecessor produced, padded to the same cell."""
+
+    stage: Stage
+    cell: Cell
+    payloads: tuple = ()
+    tasks: tuple[str, ...] = ()
+    carry: Any = None  # jaxserve.stages.Activations
+
+
+@dataclass
+class StepOutput:
+    """A step's result: ``items`` (one dict per real row, as an answer holds them) from a
+    last stage or whole model, else ``carry`` for the next stage."""
+
+    items: list[dict] | None
+    carry: Any
+    compute_seconds: float
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What a worker holds: its stages, their parameter bytes and warmed executables."""
+
+    stages: frozenset[Stage]
+    param_bytes: int
+    executables: int
+
+
+class WorkerDied(RuntimeError):
+    """The worker's process is gone (a Ray actor killed or crashed): its steps never ran
+    to the end, and it must be restarted before it runs another."""
+
+
+def summarize(items: Sequence[Mapping[str, Any]] | None, count: int) -> list[StepSummary]:
+    """The per-request summary a policy gets of a step: top probability and label for a
+    classification, empty otherwise (``count`` rows)."""
+    if items is None:
+        return [StepSummary()] * count
+    out = []
+    for item in items:
+        probs = item.get("probabilities")
+        if probs is None:
+            out.append(StepSummary())
+        else:
+            out.append(StepSummary(float(np.max(probs)), str(item.get("label"))))
+    return out
+
+
+def runner_param_bytes(runner: Any) -> int:
+    """Bytes of a runner's parameters (the arrays of its weights pytree)."""
+    explicit = getattr(runner, "param_bytes", None)
+    if callable(explicit):
+        return int(explicit())
+    import jax
+
+    return int(sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(runner.weights)))
+
+
+def runner_executables(runner: Any) -> int:
+    """Warmed executables of a runner (its polymorph table's cells)."""
+    return len(runner.table.servable.grid.cells())
+
+
+def run_step(runner: Any, step: Step) -> StepOutput:
+    """Execute ``step`` on ``runner`` (a whole-model runtime or a stage runtime)."""
+    if step.stage.whole and not hasattr(runner, "stage"):
+        out = runner.execute(step.cell, list(step.payloads), list(step.tasks))
+        return StepOutput(out.items, None, out.compute_seconds)
+    res = runner.execute(step.cell, list(step.payloads), list(step.tasks), step.carry)
+    return StepOutput(res.items, res.carry, res.compute_seconds)
+
+
+class Worker(ABC):
+    """One worker: holds stages, runs steps one at a time, in submission order."""
+
+    def __init__(self, worker_id: int):
+        self.id = worker_id
+        self._busy = 0.0
+        self._lock = threading.Lock()
+
+    @abstractmethod
+    def submit(self, step: Step) -> Future:
+        """Queue ``step``; the future resolves to its :class:`StepOutput`, or raises
+        (:class:`WorkerDied` when the worker's process is gone)."""
+
+    @abstractmethod
+    def holdings(self) -> Holdings:
+        """What the worker holds now."""
+
+    @abstractmethod
+    def load(self, stage: Stage) -> Future:
+        """Load ``stage`` (its parameters and executables, from the compile cache; never
+        a compile at request time if warmup filled the cache); resolves to the seconds
+        it took. Loading a stage already held resolves at once."""
+
+    @abstractmethod
+    def unload(self, stage: Stage) -> None:
+        """Drop ``stage``: its steps may no longer be submitted here."""
+
+    @abstractmethod
+    def restart(self) -> Future:
+        """Replace the worker's execution context (thread, or actor process) and reload
+        what it held; resolves to the seconds it took. Steps queued on the old one fail."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the worker; nothing may be submitted afterwards."""
+
+    @property
+    def alive(self) -> bool:
+        return True
+
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds spent computing steps so far."""
+        with self._lock:
+            return self._busy
+
+    def _add_busy(self, seconds: float) -> None:
+        with self._lock:
+            self._busy += seconds
+
+    def stages(self) -> frozenset[Stage]:
+        return self.holdings().stages
+
+    def holds(self, stage: Stage) -> bool:
+        return stage in self.holdings().stages
+
+
+class ThreadWorker(Worker):
+    """An in-process worker: one thread running steps on runners it holds by reference.
+
+    ``catalog(stage)`` returns the runner of a stage in this process (building a stage
+    runtime from the compile cache when asked for the first time); :meth:`load` times
+    it. XLA releases the GIL while it computes, so thread workers compute in parallel
+    and the event loop never blocks.
+    """
+
+    def __init__(self, worker_id: int, catalog: Callable[[Stage], Any], stages: Sequence[Stage] = ()):
+        super().__init__(worker_id)
+        self._catalog = catalog
+        self._runners: dict[Stage, Any] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"jaxserve-worker-{worker_id}")
+        for stage in stages:
+            self._runners[stage] = catalog(stage)
+
+    def submit(self, step: Step) -> Future:
+        runner = self._runners.get(step.stage)
+        if runner is None:
+            raise KeyError(f"worker {self.id} does not hold {step.stage.label()}")
+
+        def work() -> StepOutput:
+            t0 = time.perf_counter()
+            try:
+                return run_step(runner, step)
+            finally:
+                self._add_busy(time.perf_counter() - t0)
+
+        return self._pool.submit(work)
+
+    def holdings(self) -> Holdings:
+        runners = dict(self._runners)
+        return Holdings(frozenset(runners), sum(runner_param_bytes(r) for r in runners.values()),
+                        sum(runner_executables(r) for r in runners.values()))
+
+    def load(self, stage: Stage) -> Future:
+        fut: Future = Future()
+        if stage in self._runners:
+            fut.set_result(0.0)
+            return fut
+
+        def work() -> float:
+            t0 = time.perf_counter()
+            self._runners[stage] = self._catalog(stage)
+            return time.perf_counter() - t0
+
+        return self._pool.submit(work)
+
+    def unload(self, stage: Stage) -> None:
+        self._runners.pop(stage, None)
+
+    def restart(self) -> Future:
+        old = self._pool
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"jaxserve-worker-{self.id}")
+        old.shutdown(wait=False)
+        fut: Future = Future()
+        fut.set_result(0.0)  # the runners live in this process and were never lost
+        return fut
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
