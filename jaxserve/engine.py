@@ -1,29 +1,42 @@
-"""The live engine: queues, futures, the clock and the executor workers.
+"""The live engine: queues, futures, the clock, the workers and their placement.
 
 Requests are stamped on arrival (``time.monotonic``), handed to the policy, and the
-policy's :class:`~jaxserve.sched.base.Plan` is carried out: batches go to executor
-workers (threads: XLA releases the GIL while it computes, so the asyncio loop never
-blocks), evictions are answered ``evicted``, and ``plan.wake_at`` arms a timer.
-Completions come back to the loop thread, are reported to the policy, and trigger
-the next plan. Every policy call happens on the loop thread, so policies need no
-locks and stay plain Python.
+policy's :class:`~jaxserve.sched.base.Plan` is carried out: each batch is one *step*
+(a cell of a whole model or of a layer range, :class:`~jaxserve.sched.base.Stage`) run
+on the worker the policy named (:mod:`jaxserve.workers`: threads in this process, or
+Ray actors); evictions are answered ``evicted``; held requests in ``plan.finish`` are
+answered with their last step's outputs; placement changes (add or remove a worker,
+load or unload a stage) are started and reported back to the policy when done; and
+``plan.wake_at`` arms a timer. Completions come back to the loop thread with a
+per-request summary of the outputs (``Policy.on_completion``), and trigger the next
+plan. Every policy call happens on the loop thread, so policies need no locks and
+stay plain Python.
 
-Guarantees (tested through HTTP in tests/test_server.py):
+Guarantees (tested through HTTP in tests/test_server.py and tests/test_steps.py):
 
-* every accepted item gets exactly one answer: ``ok``, ``late``, ``evicted`` or an error;
+* every accepted item gets exactly one answer: ``ok``, ``late``, ``evicted`` or an error,
+  however many steps it takes;
 * admission is bounded: past ``max_queue`` queued items a submission is refused with
   :class:`Overloaded` (HTTP 429) before anything is queued, never half-queued;
-* a batch whose execution raises is retried once; if it fails again its items are
-  answered with an error and the worker slot is restarted (``worker_restarts``);
+* a step whose execution raises (or whose worker died) is retried once, on another
+  worker that holds its stage if there is one, else on the same worker once it is
+  restarted; the failed worker is restarted (``worker_restarts``). If the retry fails
+  too its items are answered with an error;
 * :meth:`Engine.drain` stops admission and waits for in-flight work (SIGTERM path);
-* :meth:`Engine.withdraw` takes back items whose client went away while they were still
-  queued: the policy forgets them, they never run, and their futures are cancelled
-  (outcome ``withdrawn`` in the stats). Items already running finish; their answers go
-  nowhere. Without this an overloaded server keeps computing for clients that timed out
-  and left, and the queue behind them waits for nobody's work.
+* :meth:`Engine.withdraw` takes back items whose client went away while they were
+  queued or held between steps: the policy forgets them, they never run again, and
+  their futures are cancelled (outcome ``withdrawn``). Items already running finish;
+  their answers go nowhere.
+
+Between steps a request's activations stay where its step left them: when the next
+step runs the same rows in the same order, the previous step's arrays are passed on
+as they are (on the device, for a thread worker); otherwise its rows are gathered.
+A later stage's cell must have its predecessor's sequence bucket and gamma (the
+activations' shape); its batch size may differ.
 
 A crash that kills the whole process (a native fault in XLA) is outside what a
-thread can catch; run the server under a supervisor (systemd, Kubernetes) for that.
+thread can catch; run the server under a supervisor (systemd, Kubernetes) for that,
+or run the workers as Ray actors, whose deaths the engine survives.
 """
 
 from __future__ import annotations
@@ -34,13 +47,13 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from jaxserve.compile_cache import compile_count
-from jaxserve.runtime import BatchOutput, ModelRuntime
-from jaxserve.sched.base import Batch, Policy, Request
+from jaxserve.runtime import ModelRuntime
+from jaxserve.sched.base import Batch, PlacementChange, Plan, Policy, Request, Stage, StepSummary, WorkerView
+from jaxserve.workers import Step, StepOutput, ThreadWorker, Worker, summarize
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -65,7 +78,8 @@ class TooManyItems(ValueError):
 
 
 class ExecutionFailed(RuntimeError):
-    """A batch failed twice on its worker; its items are answered with this error."""
+    """A step failed twice (or its request was finished with no answer to give); its
+    items are answered with this error."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,12 @@ class _Pending:
     item: Item
     request: Request
     future: asyncio.Future
+    carry: Any = None  # (Activations, row) after a non-final step of a stage that is not the last
+    outputs: dict | None = None  # the answer a non-final step produced (a cascade may finish with it)
+    cell: str = ""  # the last step's cell and batch size, for the answer
+    batch_size: int = 0
+    first_start: float | None = None  # when its first step started
+    compute_s: float = 0.0  # summed over its steps
 
 
 @dataclass
@@ -104,7 +124,18 @@ class EngineStats:
     batches: int = 0
     worker_restarts: int = 0
     retries: int = 0
-    observers: list[Callable[[Batch, BatchOutput, list[_Pending], float], None]] = field(default_factory=list)
+    steps: int = 0  # steps run, final or not (batches counts the final ones too)
+    stage_loads: list[tuple[str, int, float]] = field(default_factory=list)  # (stage label, worker, seconds)
+    placement_failures: int = 0
+    # called on the loop thread after each successful step: (batch, output, pendings, seconds since start)
+    observers: list[Callable[[Batch, StepOutput, list[_Pending], float], None]] = field(default_factory=list)
+
+
+def whole_stage(model: str, runtime: Any) -> Stage:
+    """The one-stage case of ``model``: all its layers (a runtime that does not declare its
+    depth counts as one layer)."""
+    depth = max(1, int(getattr(runtime, "num_layers", 0) or 0))
+    return Stage(model, 0, depth, depth)
 
 
 class Engine:
@@ -116,28 +147,48 @@ class Engine:
         max_queue: int = 256,
         clock: Callable[[], float] = time.monotonic,
         default_slo_ms: float | None = None,
+        workers: Sequence[Worker] | None = None,
+        worker_factory: Callable[[int], Worker] | None = None,
+        catalog: Callable[[Stage], Any] | None = None,
     ):
-        """``default_slo_ms``: the deadline of every item that carries no ``slo_ms`` of its
+        """``workers``: the workers to run steps on (ids 0..n-1 in order); default:
+        ``instances`` in-process :class:`~jaxserve.workers.ThreadWorker` s, each holding
+        every model whole. ``catalog(stage)``: the in-process runner of a stage (thread
+        workers load through it; default: the whole models of ``runtimes`` only).
+        ``worker_factory(id)``: a new, empty worker for a plan's ``add_worker`` (default:
+        a thread worker over ``catalog``).
+
+        ``default_slo_ms``: the deadline of every item that carries no ``slo_ms`` of its
         own (Triton's default queue timeout; TF Serving's per-request deadline with a server
         default). Clients that send none (OpenAI's embeddings API has no such field)
         then get one too, so the policy evicts what can no longer finish in time
         instead of computing it for a client that has given up. None: no deadline."""
-        if instances < 1:
+        if workers is None and instances < 1:
             raise ValueError("instances must be >= 1")
         if default_slo_ms is not None and not (default_slo_ms > 0 and math.isfinite(default_slo_ms)):
             raise ValueError(f"default_slo_ms must be a positive number of milliseconds, got {default_slo_ms!r}")
         self.default_slo_ms = default_slo_ms
         self.runtimes = runtimes
         self.policy = policy
-        self.instances = instances
         self.max_queue = max_queue
         self.clock = clock
         self.stats = EngineStats()
+        self.catalog = catalog or self._whole_model_runner
+        self.worker_factory = worker_factory or (lambda wid: ThreadWorker(wid, self.catalog))
+        if workers is None:
+            wholes = [self.whole_stage(m) for m in runtimes]
+            workers = [ThreadWorker(i, self.catalog, wholes) for i in range(instances)]
+        self.workers: dict[int, Worker] = {w.id: w for w in workers}
+        if len(self.workers) != len(workers) or not self.workers:
+            raise ValueError("workers need distinct ids, and at least one")
         self._ids = itertools.count()
         self._queued: dict[int, _Pending] = {}
-        self._running: dict[int, list[_Pending]] = {}  # instance -> its batch
-        self._idle: list[int] = list(range(instances))
-        self._pool = ThreadPoolExecutor(max_workers=instances, thread_name_prefix="jaxserve-worker")
+        self._held: dict[int, _Pending] = {}  # between steps: the policy decides what comes next
+        self._running: dict[int, list[list[_Pending]]] = {}  # worker -> its running steps' items
+        self._idle: list[int] = sorted(self.workers)
+        self._restarting: set[int] = set()
+        self._removing: set[int] = set()
+        self._waiting_restart: dict[int, list[Callable[[], None]]] = {}  # worker -> what runs once it is back
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
@@ -148,6 +199,96 @@ class Engine:
         self._busy_since: float | None = None
         self._idle_event: asyncio.Event | None = None
         self.compiles_at_ready = compile_count()
+        self.policy.on_workers(self.worker_views(), self.clock())
+
+    # ------------------------------------------------------------- placement
+    def whole_stage(self, model: str) -> Stage:
+        return whole_stage(model, self.runtimes[model])
+
+    def _whole_model_runner(self, stage: Stage) -> Any:
+        if stage != self.whole_stage(stage.model):
+            raise KeyError(f"no runner for {stage.label()}: this engine serves whole models only (give it a catalog)")
+        return self.runtimes[stage.model]
+
+    @property
+    def instances(self) -> int:
+        return len(self.workers)
+
+    def worker_views(self) -> tuple[WorkerView, ...]:
+        """What the policy may know of the workers (``Policy.on_workers``)."""
+        idle = set(self._idle)
+        return tuple(WorkerView(wid, w.holdings().stages, wid in idle) for wid, w in sorted(self.workers.items()))
+
+    def placement(self) -> dict[int, frozenset[Stage]]:
+        """Which worker holds which stages."""
+        return {wid: w.holdings().stages for wid, w in sorted(self.workers.items())}
+
+    def _apply_placement(self, change: PlacementChange, now: float) -> None:
+        """Start one planned placement change; the policy hears when it is done."""
+        wid = change.worker
+        if change.action == "add_worker":
+            if wid in self.workers:
+                raise RuntimeError(f"policy added worker {wid}, which exists")
+            self.workers[wid] = self.worker_factory(wid)
+            self._idle.append(wid)
+            self._idle.sort()
+            self._placed(change, True, 0.0)
+            return
+        worker = self.workers.get(wid)
+        if worker is None:
+            raise RuntimeError(f"policy changed unknown worker {wid}")
+        if change.action == "remove_worker":
+            self._removing.add(wid)
+            if wid in self._idle:
+                self._retire(wid)
+            return
+        if change.action == "unload":
+            worker.unload(change.stage)
+            self._placed(change, True, 0.0)
+            return
+        if wid in self._idle:  # a load occupies the worker; the policy sees it busy meanwhile
+            self._idle.remove(wid)
+        t0 = self.clock()
+
+        def loaded(f) -> None:
+            ok = f.exception() is None
+            seconds = f.result() if ok else self.clock() - t0
+            if ok:
+                self.stats.stage_loads.append((change.stage.label(), wid, float(seconds)))
+            else:
+                self.stats.placement_failures += 1
+                log.error("loading %s on worker %d failed: %s", change.stage.label(), wid, f.exception())
+            self._worker_free(wid)
+            self._placed(change, ok, float(seconds))
+            self._schedule()
+
+        worker.load(change.stage).add_done_callback(lambda f: self._loop.call_soon_threadsafe(loaded, f))
+
+    def _placed(self, change: PlacementChange, ok: bool, seconds: float) -> None:
+        now = self.clock()
+        try:
+            self.policy.on_placement(change, ok, seconds, now)
+            self.policy.on_workers(self.worker_views(), now)
+        except Exception:
+            log.exception("policy.on_placement failed")
+
+    def _retire(self, wid: int) -> None:
+        worker = self.workers.pop(wid)
+        self._removing.discard(wid)
+        if wid in self._idle:
+            self._idle.remove(wid)
+        worker.close()
+        self._placed(PlacementChange("remove_worker", wid), True, 0.0)
+
+    def _worker_free(self, wid: int) -> None:
+        """``wid`` has nothing running: idle again, or retired if the plan removed it."""
+        if wid not in self.workers or self._running.get(wid) or wid in self._restarting:
+            return
+        if wid in self._removing:
+            self._retire(wid)
+        elif wid not in self._idle:
+            self._idle.append(wid)
+            self._idle.sort()
 
     # -------------------------------------------------------------- admission
     @property
@@ -170,7 +311,8 @@ class Engine:
 
     @property
     def in_flight(self) -> int:
-        return len(self._queued) + sum(len(b) for b in self._running.values())
+        running = sum(len(ps) for steps in self._running.values() for ps in steps)
+        return len(self._queued) + len(self._held) + running
 
     def submit(self, items: Sequence[Item]) -> list[asyncio.Future]:
         """Queue all ``items`` or none of them; returns one future per item."""
@@ -207,23 +349,23 @@ class Engine:
         return futures
 
     def withdraw(self, futures: Sequence[asyncio.Future], counted: bool = True) -> int:
-        """Withdraw the items of ``futures`` that are still queued (their client went
-        away): the policy forgets them (``Policy.withdraw``) and their futures are
-        cancelled. Items already dispatched, answered, or that the policy cannot take
-        back (a policy without ``withdraw``) are left to finish. Returns how many were
-        withdrawn. O(queued items). ``counted=False``: not a client's leaving (a refused
-        request taking back its own items), so not an outcome in the stats."""
-        forget = getattr(self.policy, "withdraw", None)
-        if forget is None or not futures:
+        """Withdraw the items of ``futures`` that are still queued or held between steps
+        (their client went away): the policy forgets them (``Policy.withdraw``) and their
+        futures are cancelled. Items running, answered, or that the policy does not take
+        back are left to finish. Returns how many were withdrawn. O(queued items).
+        ``counted=False``: not a client's leaving (a refused request taking back its own
+        items), so not an outcome in the stats."""
+        if not futures:
             return 0
         wanted = set(futures)
         now = self.clock()
         n = 0
-        for rid, p in list(self._queued.items()):
-            if p.future in wanted and forget(rid, now):
-                del self._queued[rid]
-                p.future.cancel()
-                n += 1
+        for where in (self._queued, self._held):
+            for rid, p in list(where.items()):
+                if p.future in wanted and self.policy.withdraw(rid, now):
+                    del where[rid]
+                    p.future.cancel()
+                    n += 1
         if n:
             self.stats.outcomes["withdrawn"] += n if counted else 0
             self._schedule()  # a plan that waited on the withdrawn head may now change
@@ -251,15 +393,24 @@ class Engine:
 
     # ------------------------------------------------------------- scheduling
     def _schedule(self) -> None:
+        if self._loop is None:
+            return
         now = self.clock()
-        plan = self.policy.plan(now, tuple(self._idle))
+        plan: Plan = self.policy.plan(now, tuple(self._idle))
+        for change in plan.placement:
+            self._apply_placement(change, now)
         for rid in plan.evict:
-            p = self._queued.pop(rid, None)
+            p = self._queued.pop(rid, None) or self._held.pop(rid, None)
             if p is not None and not p.future.done():
                 self.stats.outcomes["evicted"] += 1
                 self._note_left_queue(now, 1)
                 waited = (now - p.request.arrival) * 1e3
                 p.future.set_result(Answer(self._served_info(rid), "evicted", queue_ms=waited, latency_ms=waited))
+        for rid in plan.finish:
+            p = self._held.pop(rid, None)
+            if p is None:
+                raise RuntimeError(f"policy finished request {rid}, which is not held between steps")
+            self._answer(p, now)
         for batch in plan.batches:
             self._dispatch(batch, now)
         self._arm_timer(plan.wake_at)
@@ -279,81 +430,183 @@ class Engine:
         self._timer_at = math.inf
         self._schedule()
 
+    def _take(self, rid: int, now: float) -> _Pending:
+        p = self._queued.pop(rid, None)
+        if p is not None:
+            self._note_left_queue(now, 1)
+            return p
+        p = self._held.pop(rid, None)
+        if p is None:
+            raise RuntimeError(f"policy batched request {rid}, which is neither queued nor held")
+        return p
+
+    def _step_for(self, batch: Batch, stage: Stage, pendings: list[_Pending]) -> Step:
+        tasks = tuple(p.item.task for p in pendings)
+        if stage.first:
+            return Step(stage, batch.cell, tuple(p.item.payload for p in pendings), tasks)
+        if any(p.carry is None for p in pendings):
+            raise RuntimeError(f"a step of {stage.label()} needs its requests' activations; some have none")
+        source, _ = pendings[0].carry
+        rows = [row for _, row in (p.carry for p in pendings)]
+        same = all(p.carry[0] is source for p in pendings)
+        if same and rows == list(range(source.count)):
+            carry = source  # the previous step's batch as it was: no copy
+        else:
+            from jaxserve.stages import Activations
+
+            parts = [p.carry[0].rows([p.carry[1]]) for p in pendings]
+            carry = parts[0] if len(parts) == 1 else Activations.concat(parts)
+        return Step(stage, batch.cell, (), tasks, carry)
+
     def _dispatch(self, batch: Batch, now: float) -> None:
         if batch.instance not in self._idle:
-            raise RuntimeError(f"policy assigned busy instance {batch.instance}")
-        pendings = [self._queued.pop(rid) for rid in batch.request_ids]
+            raise RuntimeError(f"policy assigned busy or unknown worker {batch.instance}")
+        stage = batch.stage or self.whole_stage(batch.model)
+        pendings = [self._take(rid, now) for rid in batch.request_ids]
+        for p in pendings:
+            if p.first_start is None:
+                p.first_start = now
+        try:
+            step = self._step_for(batch, stage, pendings)
+        except Exception as exc:  # a policy's mistake fails these items, not the server
+            log.exception("cannot build the step of %s", stage.label())
+            self._fail(pendings, exc)
+            self.policy.on_completion(batch, now, None)
+            return
         self._idle.remove(batch.instance)
-        self._running[batch.instance] = pendings
-        runtime = self.runtimes[batch.model]
-        payloads = [p.item.payload for p in pendings]
-        tasks = [p.item.task for p in pendings]
-        started = now
-        self.stats.batches += 1
+        self.stats.steps += 1
+        if batch.final:
+            self.stats.batches += 1
         if self._busy_since is None:
             self._busy_since = now
-        self._note_left_queue(now, len(pendings))
+        self._start(batch, step, pendings, batch.instance, now, retried=False)
 
-        def work() -> BatchOutput:
-            try:
-                return runtime.execute(batch.cell, payloads, tasks)
-            except Exception:
-                log.exception("batch %s failed on instance %d; retrying once", batch.cell.label(), batch.instance)
-                self.stats.retries += 1
-                return runtime.execute(batch.cell, payloads, tasks)
-
-        cf = self._pool.submit(work)
-        cf.add_done_callback(
-            lambda f: self._loop.call_soon_threadsafe(self._on_complete, batch, pendings, started, f)
-        )
-
-    def _on_complete(self, batch: Batch, pendings: list[_Pending], started: float, f) -> None:
-        now = self.clock()
-        self._running.pop(batch.instance, None)
-        self._idle.append(batch.instance)
-        self._idle.sort()
+    def _start(self, batch: Batch, step: Step, pendings: list[_Pending], wid: int, started: float,
+               retried: bool) -> None:
+        self._running.setdefault(wid, []).append(pendings)
+        worker = self.workers[wid]
         try:
-            self.policy.on_completion(batch, now)
-        except Exception:  # a policy bug must not strand the batch's answers
-            log.exception("policy.on_completion failed")
+            cf = worker.submit(step)
+        except Exception as exc:  # the worker does not hold the stage: the policy's mistake
+            from concurrent.futures import Future
+
+            cf = Future()
+            cf.set_exception(exc)
+        cf.add_done_callback(
+            lambda f: self._loop.call_soon_threadsafe(self._on_complete, batch, step, pendings, wid, started,
+                                                      retried, f))
+
+    def _retry_worker(self, stage: Stage, failed: int) -> int | None:
+        """Another live worker that holds ``stage`` (an idle one if any), else None."""
+        others = [wid for wid, w in self.workers.items()
+                  if wid != failed and wid not in self._restarting and wid not in self._removing and w.holds(stage)]
+        idle = [wid for wid in others if wid in self._idle]
+        return (idle or others or [None])[0]
+
+    def _on_complete(self, batch: Batch, step: Step, pendings: list[_Pending], wid: int, started: float,
+                     retried: bool, f) -> None:
+        now = self.clock()
+        running = self._running.get(wid, [])
+        if pendings in running:
+            running.remove(pendings)
         exc = f.exception()
         if exc is not None:
-            self._restart_worker(batch.instance)
-            for p in pendings:
-                if not p.future.done():
-                    self.stats.outcomes["error"] += 1
-                    p.future.set_exception(ExecutionFailed(f"{type(exc).__name__}: {exc}"))
+            self._restart_worker(wid)
+            if not retried:
+                log.error("step %s %s failed on worker %d (%s: %s); retrying once", step.stage.label(),
+                          batch.cell.label(), wid, type(exc).__name__, exc)
+                self.stats.retries += 1
+                other = self._retry_worker(step.stage, wid)
+                if other is not None:
+                    if other in self._idle:
+                        self._idle.remove(other)
+                    self._start(batch, step, pendings, other, started, retried=True)
+                else:  # no other worker holds the stage: the same one, once restarted
+                    self._after_restart(wid, lambda: self._start(batch, step, pendings, wid, started, retried=True))
+                self._schedule()
+                return
+            self._fail(pendings, exc)
+            try:
+                self.policy.on_completion(batch, now, None)
+            except Exception:  # a policy bug must not strand the batch's answers
+                log.exception("policy.on_completion failed")
         else:
-            out: BatchOutput = f.result()
+            self._worker_free(wid)
+            out: StepOutput = f.result()
             for obs in self.stats.observers:
                 obs(batch, out, pendings, now - started)
-            for p, item_out in zip(pendings, out.items):
-                item_out = {**item_out, **self._served_info(p.request.id)}
-                outcome = "ok" if now <= p.request.deadline else "late"
-                self.stats.outcomes[outcome] += 1
-                if not p.future.done():
-                    p.future.set_result(Answer(
-                        item_out, outcome, cell=batch.cell.label(), batch_size=len(pendings),
-                        queue_ms=(started - p.request.arrival) * 1e3, compute_ms=out.compute_seconds * 1e3,
-                        latency_ms=(now - p.request.arrival) * 1e3,
-                    ))
+            summaries = summarize(out.items, len(pendings))
+            for i, p in enumerate(pendings):
+                p.compute_s += out.compute_seconds
+                p.cell, p.batch_size = batch.cell.label(), len(pendings)
+                p.carry = None if out.carry is None else (out.carry, i)
+                p.outputs = None if out.items is None else out.items[i]
+                if batch.final:
+                    self._answer(p, now)
+                elif not p.future.done():  # not answered meanwhile (its client may have left)
+                    self._held[p.request.id] = p
+            try:
+                self.policy.on_completion(batch, now, {p.request.id: s for p, s in zip(pendings, summaries)})
+            except Exception:
+                log.exception("policy.on_completion failed")
         self._schedule()
-        if not self._queued and not self._running:  # idle: the next busy spell measures its own rate
-            self._busy_since = None
+        if not self._queued and not self._held and not any(self._running.values()):
+            self._busy_since = None  # idle: the next busy spell measures its own rate
             self._left_queue.clear()
+
+    def _answer(self, p: _Pending, now: float) -> None:
+        if p.future.done():
+            return
+        if p.outputs is None:
+            self._fail([p], RuntimeError("finished before any step produced an answer"))
+            return
+        outcome = "ok" if now <= p.request.deadline else "late"
+        self.stats.outcomes[outcome] += 1
+        start = p.first_start if p.first_start is not None else now
+        p.future.set_result(Answer(
+            {**p.outputs, **self._served_info(p.request.id)}, outcome, cell=p.cell, batch_size=p.batch_size,
+            queue_ms=(start - p.request.arrival) * 1e3, compute_ms=p.compute_s * 1e3,
+            latency_ms=(now - p.request.arrival) * 1e3,
+        ))
+
+    def _fail(self, pendings: list[_Pending], exc: BaseException) -> None:
+        for p in pendings:
+            if not p.future.done():
+                self.stats.outcomes["error"] += 1
+                p.future.set_exception(ExecutionFailed(f"{type(exc).__name__}: {exc}"))
 
     def _served_info(self, request_id: int) -> dict:
         """What the policy reports about how a request was served, merged into its answer's
         outputs (OTAS policies: ``gamma`` and the paper's ``outcome_type``); {} otherwise."""
-        describe = getattr(self.policy, "describe_request", None)
-        return describe(request_id) if describe is not None else {}
+        return self.policy.describe_request(request_id)
 
-    def _restart_worker(self, instance: int) -> None:
-        """Replace the worker pool slot: the failed thread's state is not trusted again."""
+    def _restart_worker(self, wid: int) -> None:
+        """Replace a failed worker's execution context (its thread, or its actor process):
+        the failed one is not trusted again. It is not idle until the restart is done."""
+        worker = self.workers.get(wid)
+        if worker is None or wid in self._restarting:
+            return
         self.stats.worker_restarts += 1
-        old = self._pool
-        self._pool = ThreadPoolExecutor(max_workers=self.instances, thread_name_prefix="jaxserve-worker")
-        old.shutdown(wait=False)
+        self._restarting.add(wid)
+        if wid in self._idle:
+            self._idle.remove(wid)
+
+        def restarted(f) -> None:
+            self._restarting.discard(wid)
+            if f.exception() is not None:
+                log.error("restarting worker %d failed: %s", wid, f.exception())
+            for then in self._waiting_restart.pop(wid, []):
+                then()
+            self._worker_free(wid)
+            self._schedule()
+
+        worker.restart().add_done_callback(lambda f: self._loop.call_soon_threadsafe(restarted, f))
+
+    def _after_restart(self, wid: int, then: Callable[[], None]) -> None:
+        if wid in self._restarting:
+            self._waiting_restart.setdefault(wid, []).append(then)
+        else:
+            then()
 
     # --------------------------------------------------------------- shutdown
     def _maybe_idle(self) -> None:
@@ -376,4 +629,5 @@ class Engine:
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._pool.shutdown(wait=True)
+        for worker in self.workers.values():
+            worker.close()

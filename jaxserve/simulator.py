@@ -26,6 +26,19 @@ max_queue``) is *rejected* (HTTP 429). Every request ends in exactly one outcome
 simulator checks the plans it is given (idle instances only, each request queued
 exactly once) and raises if a policy breaks that contract or strands requests.
 
+Requests of more than one step, as in the engine: a non-final batch (a pipeline stage
+before the last, a cascade's first model) leaves its requests *held*; the policy gets a
+per-request :class:`~jaxserve.sched.base.StepSummary` (from ``summary_of``, which stands in
+for the outputs the simulator does not compute) and later plans their next step,
+finishes them (``Plan.finish``) or evicts them. A batch of a layer range is priced by the
+cost model's profile named ``stage.label()`` (a whole model's by the model's name). A
+step of a stage after the first whose requests' previous step ran on another instance
+first moves their activations: ``transfer.hop_latency + bytes / transfer.bandwidth``,
+with ``transfer.activation_bytes(batch)`` bytes (measured on Ray by bench/workers.py).
+Placement changes in a plan take time as they do live: a new worker is ready after
+``worker_start``, a stage load holds its worker for ``load_time(stage)``; the policy
+hears of each through ``on_placement`` and ``on_workers``.
+
 Impatient clients (``client_timeout``): as live, a client leaves ``client_timeout``
 seconds after it sent its request. If the request is still queued then, the
 simulator calls ``policy.withdraw`` as the engine does when the connection closes:
@@ -39,13 +52,14 @@ keep their outcomes (the client got that answer, or would have).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from heapq import heappop, heappush
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 
-from jaxserve.sched.base import Batch, Cell, CostModel, Policy, Request
+from jaxserve.sched.base import (Batch, Cell, CostModel, PlacementChange, Policy, Request, Stage, StepSummary,
+                                 WorkerView)
 from jaxserve.traces import Trace
 
 __all__ = ["OUTCOMES", "OK", "LATE", "EVICTED", "REJECTED", "WITHDRAWN", "ABANDONED", "SimResult", "simulate"]
@@ -58,7 +72,26 @@ _INF = math.inf
 # dispatch-by time) can land an ulp past the deadline it was planned to meet. No real clock
 # resolves a nanosecond, and the engine's, which is real, never sees this.
 DEADLINE_SLACK_S = 1e-9
-_PENDING, _QUEUED, _RUNNING, _DONE = range(4)
+_PENDING, _QUEUED, _RUNNING, _DONE, _HELD = range(5)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What moving activations between instances costs: ``hop_latency`` seconds per hop
+    plus ``activation_bytes(batch)`` bytes at ``bandwidth`` bytes per second."""
+
+    bandwidth: float = math.inf
+    hop_latency: float = 0.0
+    activation_bytes: Callable[[Batch], float] = field(default=lambda batch: 0.0)
+
+    def seconds(self, batch: Batch) -> float:
+        return self.hop_latency + self.activation_bytes(batch) / self.bandwidth
+
+
+def profile_name(batch: Batch) -> str:
+    """The cost-model profile that prices ``batch``: its model's, or its layer range's."""
+    stage = batch.stage
+    return batch.model if stage is None or stage.whole else stage.label()
 
 
 @dataclass(frozen=True, eq=False)
@@ -204,6 +237,11 @@ def simulate(
     max_queue: float = math.inf,
     client_timeout: float = math.inf,
     withdraw_when_clients_leave: bool = True,
+    summary_of: Callable[[int, Batch], StepSummary] | None = None,
+    transfer: Transfer | None = None,
+    holdings: Mapping[int, frozenset[Stage]] | None = None,
+    load_time: Callable[[Stage], float] = lambda stage: 0.0,
+    worker_start: float = 0.0,
 ) -> SimResult:
     """Run ``trace`` through ``policy`` on ``instances`` identical instances.
 
@@ -222,6 +260,13 @@ def simulate(
         client_timeout: seconds after which each client leaves (module docstring).
         withdraw_when_clients_leave: False simulates a server that keeps a departed
             client's queued items (as if the policy had no ``withdraw``): the ablation.
+        summary_of: ``(request id, batch) -> StepSummary`` given to the policy when a
+            step completes (default: an empty summary).
+        transfer: the price of moving activations between instances (default: free).
+        holdings: the stages each instance holds at the start (``Policy.on_workers``);
+            default: nothing declared.
+        load_time: seconds a planned stage load holds its instance.
+        worker_start: seconds before a planned new worker is ready.
     """
     if instances < 1:
         raise ValueError("need at least one instance")
@@ -245,17 +290,19 @@ def simulate(
     batch_start: list[float] = []
     batch_finish: list[float] = []
 
-    price_cache: dict[tuple[str, Cell], float] = {}
+    price_cache: dict[tuple[str, Stage | None, Cell], float] = {}
 
     def price(batch: Batch) -> float:
-        key = (batch.model, batch.cell)
+        key = (batch.model, batch.stage, batch.cell)
         t = price_cache.get(key)
         if t is None:
-            t = price_cache[key] = float(cost_model.latency[batch.model].latency(batch.cell))
+            t = price_cache[key] = float(cost_model.latency[profile_name(batch)].latency(batch.cell))
         return t
 
     if service_time is None:
-        service_time = price
+        def service_time(batch: Batch) -> float:
+            t = policy.service_time(batch)
+            return price(batch) if t is None else t
     noise: list[float] = []
     rng = np.random.default_rng(seed)
     if latency_noise < 0:
@@ -263,15 +310,26 @@ def simulate(
     if batch_overhead < 0:
         raise ValueError("batch_overhead must be >= 0")
 
-    admits = getattr(policy, "admits", None)
+    admits = policy.admits
     on_arrival = policy.on_arrival
     on_completion = policy.on_completion
     plan_fn = policy.plan
     queue_depth = policy.queue_depth
-    withdraw = getattr(policy, "withdraw", None) if withdraw_when_clients_leave else None
+    withdraw = policy.withdraw if withdraw_when_clients_leave else None
+    empty_summary = StepSummary()
+    last_instance = [-1] * n  # where each request's last step ran (for transfers)
 
     idle = list(range(instances))
-    busy = [False] * instances
+    busy = {i: False for i in range(instances)}
+    stages = {i: frozenset((holdings or {}).get(i, ())) for i in range(instances)}
+    removing: set[int] = set()
+    placements: list[tuple[float, int, PlacementChange]] = []  # (done at, seq, change)
+
+    def views() -> tuple[WorkerView, ...]:
+        free = set(idle)
+        return tuple(WorkerView(w, stages[w], w in free) for w in sorted(busy))
+
+    policy.on_workers(views(), 0.0)
     completions: list[tuple[float, int]] = []
     wake = _INF
     i = 0
@@ -283,11 +341,21 @@ def simulate(
         tc = completions[0][0] if completions else _INF
         tl = _INF
         if impatient:
-            while gone < i and state[gone] != _QUEUED:  # answered or running: nothing to withdraw
+            while gone < i and state[gone] != _QUEUED and state[gone] != _HELD:  # nothing to withdraw
                 gone += 1
             if gone < i:
                 tl = arrival[gone] + client_timeout
-        if tl < tc and tl <= ta and tl <= wake:
+        tp = placements[0][0] if placements else _INF
+        if tp < tc and tp <= ta and tp <= wake and tp <= tl:
+            now, _, change = heappop(placements)
+            w = change.worker
+            if change.action == "load":
+                stages[w] = stages[w] | {change.stage}
+            busy[w] = False
+            idle.append(w)
+            policy.on_placement(change, True, load_time(change.stage) if change.stage else worker_start, now)
+            policy.on_workers(views(), now)
+        elif tl < tc and tl <= ta and tl <= wake:
             now = tl
             r = gone
             gone += 1
@@ -301,22 +369,40 @@ def simulate(
                 break
             now, b = heappop(completions)
             batch = batches[b]
-            for r in batch.request_ids:
-                finish[r] = now
-                if now > arrival[r] + client_timeout:
-                    outcome[r] = ABANDONED
-                else:
-                    outcome[r] = OK if now <= deadline[r] + DEADLINE_SLACK_S else LATE
-                state[r] = _DONE
-            busy[batch.instance] = False
-            idle.append(batch.instance)
-            on_completion(batch, now)
+            inst = batch.instance
+            if batch.final:
+                for r in batch.request_ids:
+                    finish[r] = now
+                    if now > arrival[r] + client_timeout:
+                        outcome[r] = ABANDONED
+                    else:
+                        outcome[r] = OK if now <= deadline[r] + DEADLINE_SLACK_S else LATE
+                    state[r] = _DONE
+                summaries = None
+            else:
+                summaries = {}
+                for r in batch.request_ids:
+                    state[r] = _HELD
+                    last_instance[r] = inst
+                    summaries[r] = summary_of(r, batch) if summary_of is not None else empty_summary
+            if inst in removing:
+                removing.discard(inst)
+                del busy[inst], stages[inst]
+                policy.on_placement(PlacementChange("remove_worker", inst), True, 0.0, now)
+                policy.on_workers(views(), now)
+            else:
+                busy[inst] = False
+                idle.append(inst)
+            on_completion(batch, now, summaries)
         elif ta <= wake:
             now = ta
             r = i
             i += 1
             m = model[r]
-            if admits(m) if admits is not None else queue_depth() < max_queue:
+            ok = admits(m)
+            if ok is None:
+                ok = queue_depth() < max_queue
+            if ok:
                 state[r] = _QUEUED
                 on_arrival(Request(r, now, m, task[r], length[r], deadline[r], utility[r]), now)
             else:
@@ -329,25 +415,67 @@ def simulate(
             wake = _INF
 
         plan = plan_fn(now, idle)
+        if plan.placement:
+            for change in plan.placement:
+                w = change.worker
+                if change.action == "add_worker":
+                    if w in busy:
+                        raise RuntimeError(f"policy added worker {w}, which exists")
+                    busy[w] = True  # not ready until worker_start has passed
+                    stages[w] = frozenset()
+                    heappush(placements, (now + worker_start, len(batches) + len(placements), change))
+                elif w not in busy:
+                    raise RuntimeError(f"policy changed unknown worker {w}")
+                elif change.action == "remove_worker":
+                    if busy[w]:
+                        removing.add(w)
+                    else:
+                        idle.remove(w)
+                        del busy[w], stages[w]
+                        policy.on_placement(change, True, 0.0, now)
+                        policy.on_workers(views(), now)
+                elif change.action == "unload":
+                    stages[w] = stages[w] - {change.stage}
+                    policy.on_placement(change, True, 0.0, now)
+                else:  # load: the worker is busy loading
+                    if busy[w]:
+                        raise RuntimeError(f"policy loaded a stage on busy worker {w}")
+                    busy[w] = True
+                    idle.remove(w)
+                    heappush(placements, (now + load_time(change.stage), len(batches) + len(placements), change))
         for r in plan.evict:
-            if state[r] != _QUEUED:
+            if state[r] != _QUEUED and state[r] != _HELD:
                 raise RuntimeError(f"policy evicted request {r}, which is not queued")
             state[r] = _DONE
             finish[r] = now
             outcome[r] = EVICTED
+        for r in plan.finish:
+            if state[r] != _HELD:
+                raise RuntimeError(f"policy finished request {r}, which is not held between steps")
+            state[r] = _DONE
+            finish[r] = now
+            if now > arrival[r] + client_timeout:
+                outcome[r] = ABANDONED
+            else:
+                outcome[r] = OK if now <= deadline[r] + DEADLINE_SLACK_S else LATE
         for batch in plan.batches:
             inst = batch.instance
-            if not 0 <= inst < instances or busy[inst]:
+            if busy.get(inst, True):
                 raise RuntimeError(f"policy assigned a batch to busy or unknown instance {inst}")
             ids = batch.request_ids
             if len(ids) > batch.cell.batch:
                 raise RuntimeError(f"{len(ids)} requests do not fit cell {batch.cell}")
             b = len(batches)
+            moved = False
             for r in ids:
-                if state[r] != _QUEUED:
+                sr = state[r]
+                if sr == _QUEUED:
+                    start[r] = now
+                elif sr == _HELD:
+                    moved = moved or last_instance[r] != inst
+                else:
                     raise RuntimeError(f"policy batched request {r}, which is not queued")
                 state[r] = _RUNNING
-                start[r] = now
                 batch_of[r] = b
             busy[inst] = True
             idle.remove(inst)
@@ -356,6 +484,8 @@ def simulate(
                 if not noise:
                     noise = rng.lognormal(-0.5 * latency_noise**2, latency_noise, 4096).tolist()
                 t *= noise.pop()
+            if moved and transfer is not None and batch.stage is not None and not batch.stage.first:
+                t += transfer.seconds(batch)
             done = now + t + batch_overhead
             batches.append(batch)
             batch_start.append(now)
@@ -363,15 +493,15 @@ def simulate(
             heappush(completions, (done, b))
         wake = plan.wake_at
         if wake <= now:
-            if not (plan.batches or plan.evict):
+            if not (plan.batches or plan.evict or plan.finish or plan.placement):
                 raise RuntimeError(f"policy asked to be woken at {wake} <= now={now} and did nothing")
             wake = now  # it made progress and wants another look at once
 
     stranded = sum(1 for s in state if s != _DONE)
     if stranded:
         raise RuntimeError(
-            f"{stranded} requests were never answered: the policy left them queued with no "
-            "wake-up (e.g. max_wait=inf with no deadline and a partial batch)"
+            f"{stranded} requests were never answered: the policy left them queued (or held between "
+            "steps) with no wake-up (e.g. max_wait=inf with no deadline and a partial batch)"
         )
 
     batch_idx = np.asarray(batch_of, dtype=np.int64)
