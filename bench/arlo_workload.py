@@ -245,8 +245,7 @@ class Run:
 def run(name: str, policy, trace: traces.Trace, instances: int, after_gpu_s: float = 0.0, label: str | None = None,
         pool: int | None = None) -> Run:
     t0 = time.perf_counter()
-    result = simulate(policy, trace, cost_model(), pool or instances,
-                      service_time=getattr(policy, "service_time", None))
+    result = simulate(policy, trace, cost_model(), pool or instances)
     return Run(label or name, result, policy, seconds(after_gpu_s), time.perf_counter() - t0)
 
 

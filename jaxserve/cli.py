@@ -359,9 +359,8 @@ def cmd_simulate(args) -> int:
                              instances=args.instances, slo_ms=args.slo_ms)
     policy = make_policy(settings, {model: _RT(grid)}, cost)
     t0 = time.perf_counter()
-    # DT's modelled dynamic-shape cost replaces the static cell's price
-    result = simulate(policy, trace, cost, instances=args.instances,
-                      service_time=getattr(policy, "service_time", None), latency_noise=args.latency_noise,
+    # a policy's service_time (DT's modelled dynamic-shape cost) replaces the static cell's price
+    result = simulate(policy, trace, cost, instances=args.instances, latency_noise=args.latency_noise,
                       batch_overhead=args.batch_overhead_ms / 1e3, seed=args.seed,
                       client_timeout=args.client_timeout_ms / 1e3 if args.client_timeout_ms else math.inf)
     wall = time.perf_counter() - t0

@@ -60,12 +60,10 @@ class _EngineCollector:
         g = GaugeMetricFamily("jaxserve_worker_restarts", "executor worker restarts after failed batches")
         g.add_metric([], eng.stats.worker_restarts)
         yield g
-        policy_metrics = getattr(eng.policy, "metrics", None)
-        if callable(policy_metrics):
-            for name, labels, value in policy_metrics():
-                g = GaugeMetricFamily(f"jaxserve_policy_{name}", f"policy counter {name}", labels=list(labels))
-                g.add_metric(list(labels.values()), value)
-                yield g
+        for name, labels, value in eng.policy.metrics():
+            g = GaugeMetricFamily(f"jaxserve_policy_{name}", f"policy counter {name}", labels=list(labels))
+            g.add_metric(list(labels.values()), value)
+            yield g
 
 
 class Metrics:

@@ -263,3 +263,20 @@ def test_ig_by_load_ignores_capacity_and_ig_by_congestion_does_not():
         d.add_instance(0, 0, load=3)  # 3/10 congested
         d.add_instance(1, 1, load=1)  # 1/2 congested but fewer requests
         assert d.dispatch(30) == expected
+
+
+@pytest.mark.parametrize("cls", [ArloPolicy, StaticPaddingPolicy, DynamicShapePolicy, InfaasLikePolicy])
+def test_each_is_a_policy_and_only_dt_prices_its_own_batches(cls):
+    from jaxserve.sched.base import Policy, StepSummary
+
+    policy = cls("bert", GRID, COST, SLO, 2)
+    assert isinstance(policy, Policy) and policy.admits("bert") is None  # the caller's bound decides
+    policy.on_arrival(Request(0, 0.0, "bert", length=100), 0.0)
+    (batch,) = policy.plan(0.0, [0, 1]).batches
+    if cls is DynamicShapePolicy:
+        assert policy.service_time(batch) == pytest.approx(1.22 * exact_length_latency(PROFILE, 1, 100))
+    else:
+        assert policy.service_time(batch) is None  # the cost model's price
+    assert policy.describe_request(0) == {}
+    policy.on_completion(batch, 0.01, {0: StepSummary()})
+    assert policy.queue_depth() == 0 and policy.counters.served == 1

@@ -527,3 +527,15 @@ def test_make_otas_policy_takes_explicit_gammas_literally():
         make_otas_policy("tome", rt, cost, {"tome_gamma": -3})
     with pytest.raises(ValueError, match=r"vpt_gamma=4 is not a gamma of the grid"):
         make_otas_policy("vpt", rt, cost, {"vpt_gamma": 4})
+
+
+def test_otas_family_are_policies_and_describe_what_they_served():
+    from jaxserve.sched.base import Policy, StepSummary
+
+    for p in (otas(), PetSPolicy("vit", LAT, ACCP, GRID)):
+        assert isinstance(p, Policy) and p.admits("vit") is None and list(p.metrics()) == []
+        p.on_arrival(req(0, 0.0, deadline=5.0), 0.0)
+        (batch,) = p.plan(0.0, [0]).batches
+        assert p.service_time(batch) is None  # priced by the cost model
+        p.on_completion(batch, 0.1, {0: StepSummary(0.7, "cat")})
+        assert p.describe_request(0) == {"gamma": batch.cell.gamma, "outcome_type": 1}

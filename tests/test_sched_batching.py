@@ -360,3 +360,17 @@ def test_with_instances_always_idle_every_batch_meets_every_deadline_and_none_is
     while wake < INF:
         wake = run_plan(wake)
     assert sorted(served) == list(range(400))
+
+
+def test_is_a_policy_whose_optional_hooks_answer_as_the_base_class_says():
+    from jaxserve.sched.base import Policy, StepSummary
+
+    p = policy(max_wait=0.0, max_queue=1)
+    assert isinstance(p, Policy)
+    assert p.admits("bert") is True
+    p.on_arrival(text(0, 0.0), 0.0)
+    assert p.admits("bert") is False  # its own bound, not "no opinion"
+    (batch,) = p.plan(0.0, [0]).batches
+    assert p.service_time(batch) is None and p.describe_request(0) == {} and list(p.metrics()) == []
+    p.on_completion(batch, 0.25, {0: StepSummary(0.9, "x")})  # the engine hands over summaries
+    assert p.queue_depth() == 0 and p.admits("bert") is True

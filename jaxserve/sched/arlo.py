@@ -14,7 +14,7 @@ plain Python (no JAX, no threads, no wall clock: ``now`` is always an argument):
   (:class:`IntraGroupBalance`) and IG (:class:`InterGroupGreedy`).
 * **Autoscaling (§4)** -- target tracking on the p98 latency
   (:class:`TargetTrackingAutoscaler`).
-* :class:`ArloPolicy` -- the three together behind the engine's ``Policy`` protocol.
+* :class:`ArloPolicy` -- the three together, a :class:`~jaxserve.sched.base.Policy`.
 
 The allocation problem, as implemented
 --------------------------------------
@@ -97,8 +97,10 @@ from jaxserve.sched.base import (
     CostModel,
     LatencyProfile,
     Plan,
+    Policy,
     Request,
     ShapeGrid,
+    StepSummary,
     batch_size_for,
     bucket_for_length,
 )
@@ -1310,8 +1312,8 @@ class ArloCounters:
     scale_decisions: list[ScaleDecision] = field(default_factory=list)
 
 
-class ArloPolicy:
-    """Arlo behind the ``Policy`` protocol, for one model (one request stream).
+class ArloPolicy(Policy):
+    """Arlo as a :class:`~jaxserve.sched.base.Policy`, for one model (one request stream).
 
     * Instances ``0..G-1`` each run one runtime (bucket of ``grid.seq_buckets``);
       the initial allocation is even (remainder to the longest runtimes) unless
@@ -1485,7 +1487,7 @@ class ArloPolicy:
         self._queued -= len(queue)
         self._redispatch(queue)
 
-    # -- Policy protocol -----------------------------------------------------------
+    # -- Policy hooks --------------------------------------------------------------
     def on_arrival(self, request: Request, now: float) -> None:
         if request.model != self.model:
             raise ValueError(f"ArloPolicy serves {self.model!r}, not {request.model!r}")
@@ -1494,7 +1496,8 @@ class ArloPolicy:
         self.counters.dispatched += 1
         self._place(request)
 
-    def on_completion(self, batch: Batch, now: float) -> None:
+    def on_completion(self, batch: Batch, now: float,
+                      summaries: Mapping[int, StepSummary] | None = None) -> None:
         n = 0
         for rid in batch.request_ids:
             if self._running.pop(rid, None) is not None:

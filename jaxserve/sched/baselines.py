@@ -99,6 +99,7 @@ from jaxserve.sched.base import (
     LatencyProfile,
     Request,
     ShapeGrid,
+    StepSummary,
     batch_size_for,
     bucket_for_length,
 )
@@ -239,7 +240,7 @@ class DynamicShapePolicy(ArloPolicy):
         return self.service_seconds(count, length) / exact_length_latency(self.profile, count, cell.seq)
 
     def service_time(self, batch: Batch) -> float:
-        """The simulator's ``service_time`` for a batch this policy planned."""
+        """A simulated batch's time: DT's modelled cost, not the static cell's price."""
         lengths = [self._lengths[r] for r in batch.request_ids]
         return self.service_seconds(len(lengths), max(lengths))
 
@@ -247,10 +248,11 @@ class DynamicShapePolicy(ArloPolicy):
         super().on_arrival(request, now)
         self._lengths[request.id] = request.length
 
-    def on_completion(self, batch: Batch, now: float) -> None:
+    def on_completion(self, batch: Batch, now: float,
+                      summaries: Mapping[int, StepSummary] | None = None) -> None:
         for r in batch.request_ids:
             self._lengths.pop(r, None)
-        super().on_completion(batch, now)
+        super().on_completion(batch, now, summaries)
 
     def withdraw(self, request_id: int, now: float) -> bool:
         if not super().withdraw(request_id, now):

@@ -92,6 +92,7 @@ from jaxserve.sched.base import (
     Cell,
     CostModel,
     Plan,
+    Policy,
     Request,
     ShapeGrid,
     bucket_for_length,
@@ -130,7 +131,7 @@ class _BucketQueue:
         self.smaller: list[_BucketQueue] = []  # same model, smaller buckets
 
 
-class DeadlineBatching:
+class DeadlineBatching(Policy):
     """Deadline-aware dynamic batching into each model's shape grid.
 
     Args:
@@ -217,9 +218,6 @@ class DeadlineBatching:
         insort(queue.items, (request.deadline, request.arrival, request.id, length))
         self._depth[model] = depth + 1
         self._total += 1
-
-    def on_completion(self, batch: Batch, now: float) -> None:
-        """Nothing to do: busy instances are the caller's ``idle_instances`` truth."""
 
     def withdraw(self, request_id: int, now: float) -> bool:
         """Forget a queued request (its client went away); False if it is not queued

@@ -131,8 +131,10 @@ from jaxserve.sched.base import (
     CostModel,
     LatencyProfile,
     Plan,
+    Policy,
     Request,
     ShapeGrid,
+    StepSummary,
 )
 
 __all__ = [
@@ -477,7 +479,7 @@ def _utility_ratio(a: float, b: float) -> float:
     return 1.0 if hi == 0 else min(abs(a), abs(b)) / hi
 
 
-class SelectiveBatchingPolicy:
+class SelectiveBatchingPolicy(Policy):
     """Alg. 1 batching, deadline eviction, dispatch and outcome bookkeeping.
 
     Subclasses choose the gamma of each batch in :meth:`_schedule`. Not a policy on its
@@ -514,7 +516,7 @@ class SelectiveBatchingPolicy:
         self.expected_utility = 0.0
         self.record_limit: Optional[int] = None  # bound on outcomes/request_gamma/decisions (None: keep all)
 
-    # ------------------------------------------------------------------ Policy protocol
+    # ------------------------------------------------------------------ Policy hooks
 
 
     def use_accuracy(self, accuracy: AccuracyProfile) -> None:
@@ -540,7 +542,8 @@ class SelectiveBatchingPolicy:
         self._next_key += 1
         self.counters["batches_formed"] += 1
 
-    def on_completion(self, batch: Batch, now: float) -> None:
+    def on_completion(self, batch: Batch, now: float,
+                      summaries: Mapping[int, StepSummary] | None = None) -> None:
         self._busy_until.pop(batch.instance, None)
         for rid in batch.request_ids:
             entry = self._inflight.pop(rid, None)
