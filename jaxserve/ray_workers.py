@@ -1,0 +1,448 @@
+"""Ray workers: stages held by a Ray actor in its own process, possibly on another node.
+
+A :class:`RayWorker` is the driver's handle on one actor (:class:`StageHost`, a Ray Core
+actor: Ray is the distributed engine, never a home-made RPC). The actor is built from a
+picklable :class:`WorkerSpec` (what of the serve settings it needs) and the stages to hold.
+In its own process it opens the compile cache *on its own node* (``spec.cache_dir``, the
+same path there), loads each model with the server's assembly (``load_runtimes``) and
+builds stage runtimes for layer ranges (``jaxserve.stages``). It loads serialized
+executables; a compile there means the node's cache lacked a cell (its count is reported:
+:meth:`RayWorker.compilations`, and a warning at start). Steps go out as actor calls, and
+results (numpy arrays) come back through Ray's object store. A dead actor process makes
+every future of its steps raise :class:`~jaxserve.workers.WorkerDied`.
+
+Filling a node's compile cache: run ``jaxserve warmup`` on that node with the flags the
+server gets (models, grids, precision, heads/prompts, ``--no-tune`` or not) and the same
+``--cache-dir`` path, or copy a warmed cache directory there from a machine of the same
+kind. Either way the key rules decide: an entry keyed for another jax/jaxlib version,
+CPU instruction set, device kind, ``XLA_FLAGS``, attention build or jaxserve source never
+loads (the actor compiles that cell instead, and says so). The environment variables that
+enter the keys (``JAX_*``, ``XLA_*``, ``JAXSERVE_*``) are passed from the driver to every
+actor, so a node's warmup must run with the same ones.
+
+Needs the optional extra: ``pip install 'jaxserve[ray]'``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+try:
+    import ray
+    import ray.exceptions
+except ImportError as exc:  # pragma: no cover - the extra is not installed
+    raise ImportError("Ray workers need the ray extra: pip install 'jaxserve[ray]'") from exc
+
+from jaxserve.sched.base import Stage
+from jaxserve.workers import Holdings, Step, StepOutput, Worker, WorkerDied, run_step
+
+log = logging.getLogger("jaxserve.ray_workers")
+
+# the actor process is gone (killed, crashed, its node lost): its steps never finish
+_DEATH = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError,
+          ray.exceptions.ObjectLostError, ray.exceptions.LocalRayletDiedError)
+# environment variables that enter the compile cache keys or choose the backend
+_ENV_PREFIXES = ("JAX_", "XLA_", "JAXSERVE_")
+DEFAULT_OBJECT_STORE_MB = 256
+
+
+def _absolute(path: str | None) -> str | None:
+    return None if path is None else str(Path(path).expanduser().absolute())
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What an actor needs of the serve settings to load models as the server does.
+
+    Paths are absolute (resolved on the driver) and name the same place on every node.
+    ``env``: variables set in the actor before it imports JAX. ``prime``: run every cell
+    of a loaded model once before reporting ready, as the server does before ready."""
+
+    models: tuple[str, ...]
+    cache_dir: str | None
+    precision: str = "f32"
+    tune: bool = True
+    text_grid: Any = None
+    image_grid: Any = None
+    heads_dir: str | None = None
+    prompts_dir: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    prime: bool = True
+
+    @classmethod
+    def from_settings(cls, settings: Any, env: dict[str, str] | None = None, prime: bool = True) -> "WorkerSpec":
+        """The spec of ``settings`` (a ``ServeSettings``); ``env`` defaults to the driver's
+        ``JAX_*``, ``XLA_*`` and ``JAXSERVE_*`` variables.
+
+        ``tune`` is kept as given: the cache key names the tuning candidates, so an actor
+        must tune (or not) as the node's warmup did to find its entries. Loading a tuned
+        entry times nothing: the stored winner loads."""
+        if env is None:
+            env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+        return cls(models=tuple(settings.models), cache_dir=_absolute(settings.cache_dir),
+                   precision=settings.precision, tune=settings.tune, text_grid=settings.text_grid,
+                   image_grid=settings.image_grid, heads_dir=_absolute(settings.heads_dir),
+                   prompts_dir=_absolute(settings.prompts_dir), env=tuple(sorted(env.items())), prime=prime)
+
+
+@dataclass(frozen=True)
+class HostReport:
+    """What an actor holds, as it reports after every change: per stage (param bytes,
+    executables); its OS pid and node; backend compiles in its process so far."""
+
+    stages: dict
+    pid: int
+    node: str
+    compilations: int
+
+
+def _assembly():
+    """The server's assembly functions (``jaxserve.launch``; ``serving.server`` before it)."""
+    try:
+        from jaxserve import launch as assembly
+    except ImportError:
+        from serving import server as assembly
+    return assembly
+
+
+class StageHost:
+    """The actor: holds stages in its own process and runs steps one at a time (Ray runs
+    an actor's calls from one caller in order, one at a time)."""
+
+    def __init__(self, spec: WorkerSpec):
+        for key, value in spec.env:  # before anything here imports JAX
+            os.environ[key] = value
+        self._spec = spec
+        self._cache = None
+        self._parents: dict[str, Any] = {}  # model -> whole-model runtime
+        self._runners: dict[Stage, Any] = {}
+
+    # ------------------------------------------------------------------ loading
+    def _open_cache(self):
+        if self._cache is None and self._spec.cache_dir:
+            from jaxserve.compile_cache import CompileCache
+
+            self._cache = CompileCache(self._spec.cache_dir)
+        return self._cache
+
+    def _parent(self, model: str):
+        if model in self._parents:
+            return self._parents[model]
+        spec = self._spec
+        if model not in spec.models:
+            raise ValueError(f"model {model!r} is not served (models: {', '.join(spec.models)})")
+        assembly = _assembly()
+        settings = assembly.ServeSettings(
+            models=(model,), cache_dir=spec.cache_dir, precision=spec.precision, tune=spec.tune, progress=False,
+            text_grid=spec.text_grid, image_grid=spec.image_grid, heads_dir=spec.heads_dir,
+            prompts_dir=spec.prompts_dir)
+        runtimes = assembly.load_runtimes(settings, self._open_cache())
+        if spec.prime:
+            assembly.run_every_cell_once(runtimes)
+        self._parents[model] = runtimes[model]
+        return runtimes[model]
+
+    def _runner(self, stage: Stage):
+        parent = self._parent(stage.model)
+        if parent.num_layers and stage.num_layers != parent.num_layers:
+            raise ValueError(f"{stage.label()}: {stage.model} has {parent.num_layers} layers, "
+                             f"not {stage.num_layers}")
+        if stage.whole:
+            return parent
+        from jaxserve.stages import build_stage_runtimes
+
+        return build_stage_runtimes(parent, [stage], self._open_cache())[stage]
+
+    def hold(self, stages: Sequence[Stage]) -> HostReport:
+        """Load ``stages`` (a new actor's first call)."""
+        for stage in stages:
+            if stage not in self._runners:
+                self._runners[stage] = self._runner(stage)
+        return self.report()
+
+    def load(self, stage: Stage) -> tuple[float, HostReport]:
+        """Load ``stage``; the seconds it took here, and the new report."""
+        t0 = time.perf_counter()
+        self.hold([stage])
+        return time.perf_counter() - t0, self.report()
+
+    def unload(self, stage: Stage) -> HostReport:
+        self._runners.pop(stage, None)
+        if not any(s.model == stage.model for s in self._runners):
+            self._parents.pop(stage.model, None)  # its weights and executables are freed
+        return self.report()
+
+    def report(self) -> HostReport:
+        from jaxserve.compile_cache import compile_count
+        from jaxserve.workers import runner_executables, runner_param_bytes
+
+        stages = {s: (runner_param_bytes(r), runner_executables(r)) for s, r in self._runners.items()}
+        return HostReport(stages, os.getpid(), socket.gethostname(), compile_count())
+
+    def compilations(self) -> int:
+        from jaxserve.compile_cache import compile_count
+
+        return compile_count()
+
+    # ------------------------------------------------------------------ steps
+    def run(self, step: Step) -> StepOutput:
+        runner = self._runners.get(step.stage)
+        if runner is None:
+            raise KeyError(f"this actor does not hold {step.stage.label()}")
+        out = run_step(runner, step)
+        if out.carry is not None:  # device arrays leave as numpy, through the object store
+            import jax
+            import numpy as np
+
+            out.carry = jax.tree_util.tree_map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, out.carry)
+        return out
+
+    def echo(self, value: Any) -> Any:
+        """Return ``value`` (round trips and transfers, for bench/workers.py)."""
+        return value
+
+    def nbytes(self, value: Any) -> int:
+        """Bytes of the array(s) received (a transfer's far end, for bench/workers.py)."""
+        import numpy as np
+
+        return int(sum(np.asarray(v).nbytes for v in (value if isinstance(value, (list, tuple)) else [value])))
+
+
+_HostActor = ray.remote(StageHost)
+
+
+class RayWorker(Worker):
+    """A worker whose stages live in a Ray actor (:class:`StageHost`).
+
+    ``ready`` is a future of the seconds from asking for the actor to its report (process
+    start, imports, weights and executables loaded and run once). Steps may be submitted at
+    once: they queue behind the load. :meth:`holdings` answers from the actor's last
+    report, without a call. A step of a stage neither held nor being loaded raises KeyError.
+    """
+
+    def __init__(self, worker_id: int, spec: WorkerSpec, stages: Sequence[Stage] = (), *,
+                 num_cpus: float = 1, num_gpus: float = 0):
+        super().__init__(worker_id)
+        self.spec = spec
+        self._options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_task_retries=0)
+        self._state = threading.Lock()
+        self._stages: set[Stage] = set(stages)  # held or being loaded: steps may be queued for them
+        self._report: HostReport | None = None
+        self._generation = 0
+        self._dead = False
+        self._closed = False
+        self._actor = None
+        self.ready: Future = self._start()
+
+    # ------------------------------------------------------------------ actor life
+    def _start(self) -> Future:
+        with self._state:
+            self._generation += 1
+            generation, stages = self._generation, sorted(self._stages)
+            self._actor = _HostActor.options(**self._options).remote(self.spec)
+            self._dead = False
+            self._report = None
+            ref = self._actor.hold.remote(stages)
+        t0 = time.perf_counter()
+
+        def ready(report: HostReport) -> float:
+            self._take(report, generation)
+            if report.compilations:
+                log.warning("worker %d (pid %d on %s) compiled %d programs at load: its node's compile cache "
+                            "lacked them (run `jaxserve warmup` there with the server's flags)",
+                            self.id, report.pid, report.node, report.compilations)
+            return time.perf_counter() - t0
+
+        return self._future(ref, generation, ready)
+
+    def _take(self, report: HostReport, generation: int) -> None:
+        with self._state:
+            if generation == self._generation:
+                self._report = report
+
+    def _future(self, ref, generation: int, then: Callable[[Any], Any]) -> Future:
+        """A concurrent future of ``then(result of ref)``; a dead actor raises WorkerDied."""
+        out: Future = Future()
+        out.set_running_or_notify_cancel()
+
+        def done(inner: Future) -> None:
+            try:
+                value = inner.result()
+            except _DEATH as exc:
+                with self._state:
+                    if generation == self._generation:
+                        self._dead = True
+                died = WorkerDied(f"worker {self.id}: its actor process is gone ({type(exc).__name__})")
+                died.__cause__ = exc
+                out.set_exception(died)
+                return
+            except BaseException as exc:  # the step's own error, raised in the actor
+                out.set_exception(exc)
+                return
+            try:
+                out.set_result(then(value))
+            except BaseException as exc:
+                out.set_exception(exc)
+
+        ref.future().add_done_callback(done)
+        return out
+
+    # ------------------------------------------------------------------ Worker
+    def submit(self, step: Step) -> Future:
+        with self._state:
+            if self._closed:
+                raise RuntimeError(f"worker {self.id} is closed")
+            if step.stage not in self._stages:
+                raise KeyError(f"worker {self.id} does not hold {step.stage.label()}")
+            generation, ref = self._generation, self._actor.run.remote(step)
+
+        def finished(out: StepOutput) -> StepOutput:
+            self._add_busy(out.compute_seconds)
+            return out
+
+        return self._future(ref, generation, finished)
+
+    def holdings(self) -> Holdings:
+        with self._state:
+            held = dict(self._report.stages) if self._report is not None else {}
+        return Holdings(frozenset(held), sum(b for b, _ in held.values()), sum(e for _, e in held.values()))
+
+    def load(self, stage: Stage) -> Future:
+        with self._state:
+            if stage in self._stages and self._report is not None and stage in self._report.stages:
+                fut: Future = Future()
+                fut.set_result(0.0)
+                return fut
+            self._stages.add(stage)
+            generation, ref = self._generation, self._actor.load.remote(stage)
+
+        def loaded(result: tuple[float, HostReport]) -> float:
+            seconds, report = result
+            self._take(report, generation)
+            return seconds
+
+        fut = self._future(ref, generation, loaded)
+
+        def forget_on_failure(f: Future) -> None:
+            if f.exception() is not None:
+                with self._state:
+                    if generation == self._generation:
+                        self._stages.discard(stage)
+
+        fut.add_done_callback(forget_on_failure)
+        return fut
+
+    def unload(self, stage: Stage) -> None:
+        with self._state:
+            self._stages.discard(stage)
+            if self._report is not None and stage in self._report.stages:
+                stages = {s: v for s, v in self._report.stages.items() if s != stage}
+                self._report = HostReport(stages, self._report.pid, self._report.node, self._report.compilations)
+            generation, ref = self._generation, self._actor.unload.remote(stage)
+        self._future(ref, generation, lambda report: self._take(report, generation))
+
+    def restart(self) -> Future:
+        """Kill the actor (its queued steps fail with WorkerDied) and start a new one
+        holding the same stages; resolves to the seconds until it is ready."""
+        with self._state:
+            if self._closed:
+                raise RuntimeError(f"worker {self.id} is closed")
+            old = self._actor
+        ray.kill(old, no_restart=True)
+        self.ready = self._start()
+        return self.ready
+
+    def close(self) -> None:
+        """Let the actor finish what was submitted, then end its process."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            actor = self._actor
+        actor.__ray_terminate__.remote()
+
+    @property
+    def alive(self) -> bool:
+        with self._state:
+            return not (self._closed or self._dead)
+
+    # ------------------------------------------------------------------ beyond Worker
+    def pid(self) -> int:
+        """The actor's OS pid (waits until it is ready)."""
+        self.ready.result()
+        with self._state:
+            return self._report.pid
+
+    def node(self) -> str:
+        """The host name of the actor's node (waits until it is ready)."""
+        self.ready.result()
+        with self._state:
+            return self._report.node
+
+    def compilations(self) -> int:
+        """XLA backend compiles in the actor's process so far (one call, queued behind
+        the steps submitted before it). Zero after a load from a warmed cache."""
+        with self._state:
+            actor = self._actor
+        return ray.get(actor.compilations.remote())
+
+    @property
+    def actor(self):
+        """The Ray actor handle (for measurements; steps go through :meth:`submit`)."""
+        with self._state:
+            return self._actor
+
+
+def ensure_ray(address: str | None = None, num_cpus: int | None = None,
+               object_store_mb: int = DEFAULT_OBJECT_STORE_MB) -> None:
+    """Start or join Ray in this process, once (a second call does nothing).
+
+    ``address`` None starts a local Ray with ``num_cpus`` logical CPUs, no dashboard, the
+    workers' logs left in Ray's log directory and a small object store (``object_store_mb``);
+    ``"auto"`` or ``HOST:PORT`` joins a running cluster (``ray start --head`` there)."""
+    if ray.is_initialized():
+        return
+    if address is None:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=object_store_mb << 20, logging_level=logging.WARNING)
+    else:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+
+
+def make_ray_workers(settings: Any, n: int, stages_for_worker: Callable[[int], Sequence[Stage]] | Sequence,
+                     address: str | None = None, worker_cpus: float = 1, gpus: bool = False,
+                     first_id: int = 0, wait: bool = True) -> list[RayWorker]:
+    """``n`` Ray workers (ids ``first_id``...) for ``settings`` (a ``ServeSettings``).
+
+    ``stages_for_worker(i)`` (or ``stages_for_worker[i]``) lists what worker ``i`` holds.
+    Starts a local Ray (``address`` None; enough logical CPUs for every actor) or joins
+    one (:func:`ensure_ray`). Each actor asks for ``worker_cpus`` CPUs and, with ``gpus``,
+    one GPU (ValueError if the cluster has none). ``wait``: return once every actor is
+    ready (if one fails, all are closed and its error raised)."""
+    stages_of = stages_for_worker if callable(stages_for_worker) else stages_for_worker.__getitem__
+    ensure_ray(address, num_cpus=max(os.cpu_count() or 1, int(n * worker_cpus + 0.999)) if address is None else None)
+    num_gpus = 0
+    if gpus:
+        if ray.cluster_resources().get("GPU", 0) < 1:
+            raise ValueError("GPU workers asked for, but the Ray cluster has no GPU")
+        num_gpus = 1
+    spec = WorkerSpec.from_settings(settings)
+    workers = [RayWorker(first_id + i, spec, tuple(stages_of(i)), num_cpus=worker_cpus, num_gpus=num_gpus)
+               for i in range(n)]
+    if wait:
+        try:
+            for worker in workers:
+                worker.ready.result()
+        except BaseException:
+            for worker in workers:
+                worker.close()
+            raise
+    return workers
