@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from jaxserve.sched.base import Batch, Cell, CostModel, LatencyProfile, Plan, Request, ShapeGrid
+from jaxserve.sched.base import Batch, Cell, CostModel, LatencyProfile, Plan, Policy, Request, ShapeGrid
 from jaxserve.sched.batching import DeadlineBatching
 from jaxserve.simulator import ABANDONED, EVICTED, LATE, OK, OUTCOMES, REJECTED, WITHDRAWN, simulate
 from jaxserve.traces import make_trace, merge_traces, poisson_arrivals, sample_lengths
@@ -48,14 +48,16 @@ def test_hand_computed_run_is_exact():
 
 
 class _NoWithdraw:
-    """A policy as one without ``withdraw`` (a third-party policy) would behave."""
+    """A policy as one that keeps ``Policy.withdraw``'s default (never takes a request back)
+    would behave."""
 
     def __init__(self, policy):
         self._policy = policy
 
+    def withdraw(self, request_id, now):
+        return False
+
     def __getattr__(self, name):
-        if name == "withdraw":
-            raise AttributeError(name)
         return getattr(self._policy, name)
 
 
@@ -240,8 +242,8 @@ def test_same_inputs_same_result_and_noise_is_mean_one():
 # -- other policies: the contract, not DeadlineBatching ------------------------------------
 
 
-class FifoOneByOne:
-    """A minimal policy without ``admits``: one request per batch, first idle instance."""
+class FifoOneByOne(Policy):
+    """A minimal policy with no opinion on admission: one request per batch, first idle instance."""
 
     def __init__(self):
         self.queue = []
@@ -249,7 +251,7 @@ class FifoOneByOne:
     def on_arrival(self, request: Request, now: float) -> None:
         self.queue.append(request.id)
 
-    def on_completion(self, batch: Batch, now: float) -> None:
+    def on_completion(self, batch: Batch, now: float, summaries=None) -> None:
         pass
 
     def plan(self, now, idle_instances):
@@ -264,7 +266,7 @@ class FifoOneByOne:
         return len(self.queue)
 
 
-def test_policy_without_admits_uses_max_queue():
+def test_policy_with_no_opinion_on_admission_uses_max_queue():
     trace = make_trace([0.0] * 5, model="vit")
     r = simulate(FifoOneByOne(), trace, TINY_COST, 1, max_queue=2)
     # r0 starts at once, r1 and r2 queue, r3 and r4 are rejected
