@@ -3,7 +3,7 @@
 Question 1 (paper §5.1.4, Table 2): how long does an exact solve of Eq. 1-7 take at
 (50 GPUs, 8 runtimes), (200, 12), (1000, 16)? The paper's Gurobi ILP took 0.156 s,
 0.623 s and 2.612 s (mean of 20 runs). We time both exact solvers of
-``jaxserve/sched/arlo.py`` -- the numpy DP and the HiGHS MILP -- on the same sizes,
+``jaxserve/sched/arlo/allocation.py`` -- the numpy DP and the HiGHS MILP -- on the same sizes,
 20 runs each (different seeds), at three traffic levels (50 %, 80 % and 120 % of
 what the instances can serve within the SLO; 120 % is the infeasible, best-effort
 case), and check that both reach the same optimum.

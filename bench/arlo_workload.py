@@ -44,7 +44,7 @@ import numpy as np
 
 from bench.common import save_plot
 from jaxserve import traces
-from jaxserve.sched.arlo import ArloPolicy, allocation_problem, solve_allocation
+from jaxserve.sched.arlo import ArloPolicy, allocation_problem, demand_per_window, solve_allocation
 from jaxserve.sched.base import CostModel, ShapeGrid, bucket_for_length
 from jaxserve.sched.baselines import (
     DynamicShapePolicy,
@@ -186,8 +186,6 @@ def global_allocation(lengths: np.ndarray, duration: float, instances: int, buck
     """Eq. 1-7 solved once from a whole trace's length distribution (experiment 5's 'global')."""
     counts = np.bincount([bucket_list.index(bucket_for_length(int(n), bucket_list)) for n in lengths],
                          minlength=len(bucket_list))
-    from jaxserve.sched.arlo import demand_per_window
-
     demand = demand_per_window(counts.tolist(), duration, slo())
     problem = allocation_problem(demand, bucket_list, cost.latency[MODEL], instances, slo(), max_batch)
     return solve_allocation(problem).counts

@@ -1,4 +1,4 @@
-"""Arlo (jaxserve/sched/arlo.py): exact allocation, replacement, Alg. 1, autoscaling, policy."""
+"""Arlo (jaxserve/sched/arlo/): exact allocation, replacement, Alg. 1, autoscaling, policy."""
 
 from __future__ import annotations
 

@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from jaxserve import traces
-from jaxserve.sched.arlo import ArloPolicy, TargetTrackingAutoscaler
+from jaxserve.sched.arlo import (
+    ArloPolicy,
+    InterGroupGreedy,
+    InterGroupGreedyByLoad,
+    LatencyCurve,
+    TargetTrackingAutoscaler,
+)
 from jaxserve.sched.baselines import (
     DEFAULT_DT_PENALTY,
     DynamicShapePolicy,
@@ -23,7 +29,6 @@ from jaxserve.sched.baselines import (
     paper_scaled_slo,
     paper_time_scale,
 )
-from jaxserve.sched.arlo import LatencyCurve
 from jaxserve.sched.base import Cell, CostModel, LatencyProfile, Request, ShapeGrid
 from jaxserve.simulator import simulate
 
@@ -256,8 +261,6 @@ def test_reallocation_redispatches_every_queued_request_to_newly_deployed_runtim
 
 
 def test_ig_by_load_ignores_capacity_and_ig_by_congestion_does_not():
-    from jaxserve.sched.arlo import InterGroupGreedy, InterGroupGreedyByLoad
-
     for cls, expected in ((InterGroupGreedy, 0), (InterGroupGreedyByLoad, 1)):
         d = cls(BUCKETS, (10, 2, 2))
         d.add_instance(0, 0, load=3)  # 3/10 congested

@@ -15,7 +15,7 @@ INFaaS    every bucket             even, then load-reactive moves    first-fit (
 Arlo      every bucket             Eq. 1-7 every period              Alg. 1 (multi-level queue)
 ========  ======================  ================================  ===========================
 
-(ILB and IG, the dispatch baselines of §5.2.3, are dispatchers of ``arlo.py``:
+(ILB and IG, the dispatch baselines of §5.2.3, are in :mod:`jaxserve.sched.arlo.dispatch`:
 ``ArloPolicy(..., dispatcher="ilb" | "ig")``.)
 
 **ST** (static, pad to the maximum length): one runtime compiled for the longest
@@ -81,17 +81,13 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import deque
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
-from jaxserve.sched.arlo import (
-    Allocation,
-    ArloPolicy,
-    LatencyCurve,
-    MultiLevelDispatcher,
-    Reallocation,
-    _capacity,
-    replacement_plan,
-)
+from jaxserve.sched.arlo._common import _INF, _capacity
+from jaxserve.sched.arlo.allocation import Allocation, LatencyCurve, replacement_plan
+from jaxserve.sched.arlo.dispatch import _SHIFT, MultiLevelDispatcher
+from jaxserve.sched.arlo.policy import ArloPolicy
+from jaxserve.sched.arlo.runtime_scheduler import Reallocation
 from jaxserve.sched.base import (
     Batch,
     Cell,
@@ -120,8 +116,6 @@ __all__ = [
 DEFAULT_DT_PENALTY = 1.22  # the low end of Arlo Fig. 2's 1.22x-3.56x: the kindest value for DT
 PAPER_SLO_S = 0.150  # Arlo §5: the BERT-base stream's SLO
 PAPER_T512_S = 0.00486  # Arlo §2.2 / Fig. 2a: BERT-base, batch 1, 512 tokens, static TensorRT, RTX 3090
-_INF = math.inf
-_SHIFT = 32
 
 
 def _profile_of(model: str, cost: CostModel | LatencyProfile) -> LatencyProfile:
