@@ -264,7 +264,7 @@ def main() -> None:
         f"{np.percentile(counts, 98):.0f}. {args.rounds} rounds x {args.duration:.0f} s per scheme, rotated order, "
         f"latency = client-side HTTP latency of requests answered. 8 runtimes 64..512, batch 1; Arlo re-solves "
         f"after 10 s and every 30 s; DT computes in the smallest bucket and holds the worker for its measured "
-        f"time x 1.22 x t(exact length) / t(bucket) (profile ratio; serving/server.py DynamicShapeEmulation). CDF: `bench/plots/arlo_live.png`.\n\n"
+        f"time x 1.22 x t(exact length) / t(bucket) (profile ratio; jaxserve/launch.py DynamicShapeEmulation). CDF: `bench/plots/arlo_live.png`.\n\n"
         "Paper (§5.1.1, 10-GPU testbed): mean -70.3% vs ST, -23.7% vs DT, -24.9% vs INFaaS (BERT-base); "
         "p98 up to -89.4% vs ST, -25.9% vs DT, -40.1% vs INFaaS.")
     print(body)

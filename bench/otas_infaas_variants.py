@@ -53,7 +53,7 @@ def build(name: str, cfg, ckpt_root: Path, epochs: int, cache, log=print):
     from jaxserve.polymorph import PolymorphTable
     from jaxserve.prompts import DIGIT_TASKS, PromptRepository, backbone_head_entry, digit_task_split
     from jaxserve.registry import vit_demo_dir
-    from jaxserve.runtime import ModelRuntime, TaskHead
+    from jaxserve.runtime import ImageRuntime, TaskHead
     from jaxserve.sched.base import ShapeGrid
     from jaxserve.servables import vit_servable, weights_of
     from training.train_prompts import PromptSettings, train_repository
@@ -80,7 +80,8 @@ def build(name: str, cfg, ckpt_root: Path, epochs: int, cache, log=print):
     table = PolymorphTable(vit_servable(name, cfg, grid, "replace", repo.num_classes), cache)
     table.warmup()
     heads = {t: TaskHead(t, labels, None, None, feature="logits") for t, labels in repo.labels.items()}
-    rt = ModelRuntime(name, table, weights_of(model), heads, None, shape, norm["mean"], norm["std"], prompts=repo)
+    rt = ImageRuntime(name, table, weights_of(model), heads, prompts=repo, image_shape=shape, pixel_mean=norm["mean"],
+                      pixel_std=norm["std"])
 
     accuracy, correct = {}, {}
     for task in repo.tasks:

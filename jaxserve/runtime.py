@@ -1,12 +1,13 @@
 """Model runtimes: what an executor worker does with one planned batch.
 
 A runtime owns a warmed :class:`~jaxserve.polymorph.PolymorphTable`, the weights and
-the task heads of one model. ``execute`` pads the batch into its cell (through the
+the task assets of one model: a :class:`TextRuntime` takes token ids, an
+:class:`ImageRuntime` images. ``execute`` pads the batch into its cell (through the
 table's padding helpers), runs the executable and returns one result per item. It
 never compiles: a cell outside the warmed grid raises ``NotWarmError``.
 
 Image runtimes with a prompt repository (OTAS, jaxserve/prompts.py) run exactly the cell
-the policy chose, gamma included: :meth:`ModelRuntime.prepare_inputs` gathers each
+the policy chose, gamma included: :meth:`ImageRuntime.prepare_inputs` gathers each
 sample's prompts (gamma > 0) and task head from the repository, so a batch mixing tasks
 is one call of one executable; each item's probabilities are then read from the first
 ``len(labels)`` logits of its row (heads are zero-padded to the widest task).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -94,25 +96,29 @@ class BatchOutput:
 
 
 @dataclass
-class ModelRuntime:
-    """One served model: table + weights + heads; ``kind`` is "text" or "image"."""
+class ModelRuntime(ABC):
+    """One served model: its warmed table, weights and task assets.
+
+    A subclass says what an item is by how it pads a batch into a cell
+    (:class:`TextRuntime`: token ids; :class:`ImageRuntime`: an image); everything else,
+    the task assets and ``execute``, is shared. The task assets are ``heads`` (applied
+    after the executable), ``prompts`` (per-sample executable arguments gathered by task:
+    an image model's prompt repository; None where tasks are heads only) and ``accuracy``
+    (profiled per (task, gamma), for the OTAS policies); :meth:`swap_assets` replaces them
+    together.
+    """
 
     name: str
     table: PolymorphTable
     weights: Any
     heads: dict[str, TaskHead] = field(default_factory=dict)
-    tokenizer: Any = None
-    image_shape: tuple[int, int, int] | None = None  # (H, W, C) for image models
-    pixel_mean: float = 0.0  # images arrive in [0, 1]; the model was trained on (x - mean) / std
-    pixel_std: float = 1.0
-    prompts: Any = None  # jaxserve.prompts.PromptRepository: per-sample prompts and heads (images)
-    accuracy: AccuracyProfile | None = None  # profiled accuracy per (task, gamma), for OTAS policies
-    embedding_dim: int | None = None  # width of a text model's sentence embedding
+    prompts: Any = None  # jaxserve.prompts.PromptRepository
+    accuracy: AccuracyProfile | None = None
     num_layers: int = 0  # the model's depth: its whole-model Stage is [0:num_layers] (jaxserve.sched.base.Stage)
     # re-reads (heads, prompts, accuracy) from where they were loaded, checked against this
     # runtime's executables (jaxserve.registry sets it); None: the assets cannot be reloaded
     read_assets: Callable[[], tuple[dict, Any, Any]] | None = field(default=None, repr=False)
-    _assets_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _assets_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def swap_assets(self, heads: dict[str, TaskHead], prompts: Any = None, accuracy: Any = None) -> list[str]:
         """Serve new task heads (and, for images, a new prompt repository) from the next batch
@@ -142,10 +148,6 @@ class ModelRuntime:
             return self.heads, self.prompts
 
     @property
-    def kind(self) -> str:
-        return self.table.servable.kind
-
-    @property
     def grid(self) -> ShapeGrid:
         return self.table.servable.grid
 
@@ -157,11 +159,70 @@ class ModelRuntime:
         default = next(iter(prompts.labels), "")
         return [t or default for t in tasks]
 
+    @abstractmethod
     def prepare_inputs(self, cell: Cell, payloads: Sequence[Any], tasks: Sequence[str], prompts: Any = None) -> tuple:
         """The executable's inputs after the weights, for ``payloads`` padded into ``cell``
         (``prompts``: the repository to gather from; default: the runtime's current one)."""
-        if self.kind == "text":
-            return pad_token_batch(payloads, cell, pad_id=getattr(self.tokenizer, "pad_id", 0))
+
+    @abstractmethod
+    def example_inputs(self, cell: Cell) -> tuple:
+        """Representative inputs of ``cell``, as :meth:`prepare_inputs` returns them, for
+        timing it (profiling, the first run before ready): a full batch of full-size items."""
+
+    def execute(self, cell: Cell, payloads: Sequence[Any], tasks: Sequence[str]) -> BatchOutput:
+        t0 = time.perf_counter()
+        heads, prompts = self._assets()  # one consistent set for the whole batch (swap_assets)
+        tasks = self._tasks_or_default(tasks, prompts)
+        inputs = self.prepare_inputs(cell, payloads, tasks, prompts)
+        outputs = unpad_rows(self.table.run(cell, self.weights, *inputs), len(payloads))
+        return BatchOutput(self.items_from_outputs(outputs, tasks, heads), time.perf_counter() - t0)
+
+    def items_from_outputs(self, outputs: dict[str, np.ndarray], tasks: Sequence[str],
+                           heads: dict[str, TaskHead]) -> list[dict]:
+        """One answer per real row: the row of every output, plus, for a row with a task, its
+        head's ``probabilities``, ``labels`` and ``label``. ``outputs`` hold exactly
+        ``len(tasks)`` rows (padding sliced off); ``heads`` are those the batch runs with (a
+        reload may swap the runtime's meanwhile)."""
+        items = []
+        for i, task in enumerate(tasks):
+            item = {k: v[i] for k, v in outputs.items()}
+            if task:
+                head = heads[task]
+                probs = head.probabilities(item[head.feature][None])[0]
+                item["probabilities"] = probs
+                item["labels"] = head.labels
+                item["label"] = head.labels[int(np.argmax(probs))]
+            items.append(item)
+        return items
+
+
+@dataclass(kw_only=True)
+class TextRuntime(ModelRuntime):
+    """A text encoder: an item is a list of token ids, padded into the cell's length bucket."""
+
+    tokenizer: Any = None  # jaxserve.models.tokenizer.TextTokenizer; None: ids are padded with 0
+    embedding_dim: int | None = None  # width of the sentence embedding
+
+    def prepare_inputs(self, cell: Cell, payloads: Sequence[Any], tasks: Sequence[str], prompts: Any = None) -> tuple:
+        """(ids, mask), each [cell.batch, cell.seq]; tasks are heads only, applied afterwards."""
+        return pad_token_batch(payloads, cell, pad_id=0 if self.tokenizer is None else self.tokenizer.pad_id)
+
+    def example_inputs(self, cell: Cell) -> tuple:
+        return self.prepare_inputs(cell, [[1000] * cell.seq] * cell.batch, [""] * cell.batch)
+
+
+@dataclass(kw_only=True)
+class ImageRuntime(ModelRuntime):
+    """An image classifier: an item is a float32 [H, W, C] image in [0, 1], normalised as the
+    model was trained, with each sample's prompts and head gathered from the repository."""
+
+    image_shape: tuple[int, int, int]  # (H, W, C)
+    pixel_mean: float = 0.0  # images arrive in [0, 1]; the model was trained on (x - mean) / std
+    pixel_std: float = 1.0
+
+    def prepare_inputs(self, cell: Cell, payloads: Sequence[Any], tasks: Sequence[str], prompts: Any = None) -> tuple:
+        """(pixels, [prompts,] head_w, head_b): the images padded into the cell and each
+        sample's task arguments at the cell's gamma (``PromptRepository.gather``)."""
         images = (np.stack(payloads) - self.pixel_mean) / self.pixel_std
         pixels = pad_image_batch(images, cell)
         prompts = prompts if prompts is not None else self.prompts
@@ -170,20 +231,7 @@ class ModelRuntime:
                              "repository (jaxserve.prompts.backbone_repository serves the backbone's own head)")
         return (pixels, *prompts.gather(self._tasks_or_default(tasks, prompts), cell.gamma, cell.batch))
 
-    def execute(self, cell: Cell, payloads: Sequence[Any], tasks: Sequence[str]) -> BatchOutput:
-        t0 = time.perf_counter()
-        heads, prompts = self._assets()  # one consistent set for the whole batch (swap_assets)
-        tasks = self._tasks_or_default(tasks, prompts)
-        inputs = self.prepare_inputs(cell, payloads, tasks, prompts)
-        outputs = unpad_rows(self.table.run(cell, self.weights, *inputs), len(payloads))
-        items = []
-        for i, task in enumerate(tasks):
-            item = {k: v[i] for k, v in outputs.items()}
-            if task:
-                head = heads[task]
-                probs = head.probabilities(item[head.feature][None])[0]
-                item["probabilities"] = probs
-                item["labels"] = head.labels  # the head this batch ran with (a reload may swap it meanwhile)
-                item["label"] = head.labels[int(np.argmax(probs))]
-            items.append(item)
-        return BatchOutput(items, time.perf_counter() - t0)
+    def example_inputs(self, cell: Cell) -> tuple:
+        """Random images, each gathered as the repository's first task."""
+        images = np.random.default_rng(0).random((cell.batch, *self.image_shape), dtype=np.float32)
+        return self.prepare_inputs(cell, list(images), [""] * cell.batch)

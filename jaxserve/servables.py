@@ -29,7 +29,7 @@ def bert_servable(name: str, cfg: BertConfig, grid: ShapeGrid, precision: str = 
         return (tok, tok)
 
     return Servable(
-        name=name, kind="text", config_hash=cfg.key(), grid=grid,
+        name=name, config_hash=cfg.key(), grid=grid,
         abstract_state=abstract_state, fn_for=lambda cell: encode, input_specs=specs,
         options_of=bert_options if precision == "f32" else bert_bf16_options, precision=precision,
         option_candidates=ynn_candidates if precision == "f32" else ynn_bf16_candidates,
@@ -129,7 +129,7 @@ def vit_servable(name: str, cfg, grid: ShapeGrid, prompt_mode: str = "replace",
         return f"gamma={cell.gamma}:merge={merge_r}:prompts={num_prompts}:{prompt_mode}:classes={classes}"
 
     return Servable(
-        name=name, kind="image", config_hash=cfg.key(), grid=grid, abstract_state=abstract_state,
+        name=name, config_hash=cfg.key(), grid=grid, abstract_state=abstract_state,
         fn_for=fn_for, input_specs=specs, variant_of=variant,
         options_of=vit_options if precision == "f32" else vit_bf16_options, precision=precision,
         option_candidates=ynn_candidates if precision == "f32" else ynn_bf16_candidates,

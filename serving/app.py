@@ -50,13 +50,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from PIL import Image, UnidentifiedImageError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from jaxserve.engine import Answer, Draining, Engine, ExecutionFailed, Item, Overloaded, TooManyItems
+from jaxserve.runtime import ImageRuntime, ModelRuntime, TextRuntime
 from serving.metrics import Metrics
 from serving.schemas import (
     ClassifyImageRequest,
@@ -67,6 +70,8 @@ from serving.schemas import (
 )
 
 log = logging.getLogger("jaxserve.serving")
+
+_KINDS = {TextRuntime: "text", ImageRuntime: "image"}  # a runtime class as the API names its models' kind
 
 
 class ApiError(Exception):
@@ -84,7 +89,7 @@ class ServerState:
     started: float = field(default_factory=time.monotonic)
     created: float = field(default_factory=time.time)  # wall clock, for OpenAI's model "created"
     info: dict[str, Any] = field(default_factory=dict)
-    reload: Any = None  # engine -> report: re-read the task assets (serving.server.reload_assets); None: not offered
+    reload: Any = None  # engine -> report: re-read the task assets (jaxserve.launch.reload_assets); None: not offered
 
 
 def _path_label(scope, routes=()) -> str:
@@ -329,8 +334,6 @@ class FastJSON(JSONResponse):
     """orjson rendering; numpy vectors serialise natively (no per-float Python objects)."""
 
     def render(self, content: Any) -> bytes:
-        import orjson
-
         return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
@@ -349,8 +352,6 @@ def decode_image(raw: Any, shape: tuple[int, int, int], index: int) -> np.ndarra
     h, w, c = shape
     where = f"inputs[{index}]"
     if isinstance(raw, str):
-        from PIL import Image, UnidentifiedImageError
-
         try:
             data = base64.b64decode(raw, validate=True)
             with warnings.catch_warnings():  # its size is checked below, before any decoding:
@@ -440,12 +441,12 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
             raise ApiError(503, "models are still warming up", headers=WARMING_RETRY)
         return state.engine
 
-    def runtime(model: str, kind: str):
+    def runtime(model: str, kind: type[ModelRuntime]):
         eng = engine()
         rt = eng.runtimes.get(model)
-        if rt is None or rt.kind != kind:
-            names = sorted(n for n, r in eng.runtimes.items() if r.kind == kind)
-            raise ApiError(404, f"unknown {kind} model {model!r}; served: {names}", "model")
+        if not isinstance(rt, kind):
+            names = sorted(n for n, r in eng.runtimes.items() if isinstance(r, kind))
+            raise ApiError(404, f"unknown {_KINDS[kind]} model {model!r}; served: {names}", "model")
         return rt
 
     def head(rt, task: str):
@@ -516,7 +517,7 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
 
     @app.post("/v1/embeddings", response_model=EmbeddingsResponse)
     async def embeddings(req: EmbeddingsRequest, http: Request):
-        rt = runtime(req.model, "text")
+        rt = runtime(req.model, TextRuntime)
         if req.dimensions is not None and req.dimensions != rt.embedding_dim:
             raise ApiError(422, f"dimensions={req.dimensions}: {rt.name} embeds into exactly {rt.embedding_dim} "
                                 "dimensions", "dimensions")
@@ -550,7 +551,7 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
 
     @app.post("/v1/classify/text", response_model=ClassifyResponse)
     async def classify_text(req: ClassifyTextRequest, http: Request):
-        rt = runtime(req.model, "text")
+        rt = runtime(req.model, TextRuntime)
         head(rt, req.task)
         ids = await tokenize(rt, req.inputs, req.truncate, "inputs")
         answers = await run_items(
@@ -559,7 +560,7 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
 
     @app.post("/v1/classify/image", response_model=ClassifyResponse)
     async def classify_image(req: ClassifyImageRequest, http: Request):
-        rt = runtime(req.model, "image")
+        rt = runtime(req.model, ImageRuntime)
         head(rt, req.task)
         images = [decode_image(raw, rt.image_shape, i) for i, raw in enumerate(req.inputs)]
         answers = await run_items(
@@ -570,15 +571,17 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
         """One served model, as OpenAI's model object (``id``, ``object``, ``created``,
         ``owned_by``: what OpenAI-compatible clients read) plus what jaxserve knows of it."""
         g = rt.grid
+        text = isinstance(rt, TextRuntime)
         return {
             "id": name, "object": "model", "created": int(state.created), "owned_by": "jaxserve",
-            "kind": rt.kind, "warm": rt.table.warm, "precision": rt.table.servable.precision,
+            "kind": "text" if text else "image",
+            "warm": rt.table.warm, "precision": rt.table.servable.precision,
             "tasks": {t: list(h.labels) for t, h in rt.heads.items()},
             "grid": {"batch_sizes": list(g.batch_sizes), "seq_buckets": list(g.seq_buckets),
                      "gammas": list(g.gammas)},
-            "max_tokens": g.max_length if rt.kind == "text" else None,
-            "embedding_dim": rt.embedding_dim,
-            "image_shape": list(rt.image_shape) if rt.image_shape else None,
+            "max_tokens": g.max_length if text else None,
+            "embedding_dim": rt.embedding_dim if text else None,
+            "image_shape": None if text else list(rt.image_shape),
         }
 
     @app.get("/v1/models")

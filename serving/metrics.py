@@ -35,7 +35,7 @@ class _EngineCollector:
         g.add_metric([], 0 if eng is None else 1)
         yield g
         g = GaugeMetricFamily("jaxserve_gc_frozen_objects",
-                              "objects moved out of the cyclic GC's reach at ready (serving.server.settle_heap)")
+                              "objects moved out of the cyclic GC's reach at ready (jaxserve.launch.settle_heap)")
         g.add_metric([], gc.get_freeze_count())
         yield g
         if eng is None:

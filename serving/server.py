@@ -1,320 +1,41 @@
-"""Start-up: load and warm every model, price every cell, build the policy and the engine.
+"""The HTTP server around the engine: its lifespan, signals and uvicorn protocol.
 
-``/healthz`` answers from the first moment; ``/readyz`` says 503 until every
-executable is compiled or loaded and the cost model exists, then 200. On SIGTERM
-uvicorn stops accepting connections and the lifespan shutdown drains the engine.
+The engine is assembled by :func:`jaxserve.launch.build_engine`, in the background:
+``/healthz`` answers from the first moment; ``/readyz`` says 503 until every executable is
+compiled or loaded and the cost model exists, then 200. On SIGTERM uvicorn stops accepting
+connections and the lifespan shutdown drains the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
+import signal
 import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
-import numpy as np
+import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from jaxserve.compile_cache import CompileCache, compile_count
-from jaxserve.engine import Engine
-from jaxserve.polymorph import WarmupCancelled, raise_if_stopped
-from jaxserve.profiler import load_cost_model, machine_description, profile_table, save_cost_model
-from jaxserve.runtime import ModelRuntime
-from jaxserve.sched import IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES
-from jaxserve.sched.base import Cell, CostModel
+from jaxserve.compile_cache import compile_count
+from jaxserve.launch import ServeSettings, build_engine, reload_assets, settle_heap
+from jaxserve.polymorph import WarmupCancelled
 from serving.app import ServerState, create_app, error_body
 
 log = logging.getLogger("jaxserve.server")
-
-
-@dataclass
-class ServeSettings:
-    models: tuple[str, ...] = ("minilm-l6", "vit-demo")
-    cache_dir: str = "compiled_cache"
-    policy: str = "default"
-    instances: int = 1
-    max_queue: int = 256
-    max_wait_ms: float = 0.0  # dispatch when an instance is idle; batches form while all are busy
-    max_body_bytes: int = 8 * 1024 * 1024
-    header_timeout_s: float = 20.0  # connect to end of request headers (and between keep-alive requests' headers)
-    body_timeout_s: float = 60.0  # end of headers to end of body
-    drain_grace_s: float = 0.0  # after SIGTERM: not ready and refusing work, but listening, this long
-    api_key: str | None = field(default=None, repr=False)  # None: open; else Bearer auth (serving.app.Guard)
-    ssl_certfile: str | None = None  # with ssl_keyfile: serve HTTPS
-    ssl_keyfile: str | None = None
-    cost_model: str | None = None
-    precision: str = "f32"  # dense-kernel dtype of every model: "f32" or "bf16" (jaxserve.models.precision)
-    tune: bool = True  # warmup times each cell's alternative compile options and keeps the fastest (PolymorphTable)
-    progress: bool = True
-    text_grid: object = None  # ShapeGrid override (tests use a small one)
-    image_grid: object = None
-    heads_dir: str | None = None  # minilm-l6's task heads (TASK.npz); None: the shipped ones
-    prompts_dir: str | None = None  # vit-demo's prompt repository; None: the shipped one
-    extra: dict = field(default_factory=dict)
-    # Arlo and its baselines (--policy arlo|st|dt|infaas; jaxserve/sched/arlo.py, baselines.py)
-    # the deadline of every request that sends no slo_ms (Engine.default_slo_ms); for arlo/st/dt/infaas
-    # also the stream's SLO they plan for (None there: the paper's SLO scaled by the profile)
-    slo_ms: float | None = None
-    arlo_period_s: float = 120.0  # Runtime Scheduler period (paper: 120 s)
-    arlo_max_batch: int = 1  # requests per batch (paper: 1)
-    dt_penalty: float | None = None  # DT's dynamic-shape slowdown; None: baselines.DEFAULT_DT_PENALTY
-    arlo_autoscale_from: int | None = None  # arlo: start this many of `instances` slots, target-tracking scaling
-
-
-def load_runtimes(settings: ServeSettings, cache: CompileCache | None,
-                  stop: Callable[[], bool] | None = None) -> dict[str, ModelRuntime]:
-    """Every model warmed over its grid; ``stop`` as ``PolymorphTable.warmup``'s."""
-    from jaxserve import registry
-
-    runtimes = {}
-    for name in settings.models:
-        if name == "minilm-l6":
-            runtimes[name] = registry.load_text_runtime(
-                name, cache, settings.text_grid, settings.progress, precision=settings.precision,
-                heads_dir=None if settings.heads_dir is None else Path(settings.heads_dir), stop=stop,
-                tune=settings.tune)
-        elif name == "vit-demo":
-            runtimes[name] = registry.load_image_runtime(name, cache, settings.image_grid, settings.progress,
-                                                         prompts_dir=settings.prompts_dir,
-                                                         precision=settings.precision, stop=stop,
-                                                         tune=settings.tune)
-        else:
-            raise ValueError(f"unknown model {name!r}; known: minilm-l6, vit-demo")
-    return runtimes
-
-
-def default_cost_model_path(cache_dir: str | Path, precision: str = "f32") -> Path:
-    """Where a cache directory keeps its measured cost model: one file per precision, since a
-    bf16 cell's latency is not a float32 cell's."""
-    return Path(cache_dir) / ("cost_model.json" if precision == "f32" else f"cost_model-{precision}.json")
-
-
-def example_inputs(rt: ModelRuntime, cell: Cell) -> tuple:
-    """Representative inputs for timing a cell: full-length text, random images."""
-    if rt.kind == "text":
-        ids = np.full((cell.batch, cell.seq), 1000, np.int32)
-        return ids, np.ones_like(ids)
-    h, w, c = rt.image_shape
-    images = np.random.default_rng(0).random((cell.batch, h, w, c), dtype=np.float32)
-    return rt.prepare_inputs(cell, list(images), [""] * cell.batch)  # + per-sample prompts/heads
-
-
-def run_every_cell_once(runtimes: dict[str, ModelRuntime], stop: Callable[[], bool] | None = None) -> None:
-    """Execute every warm executable once before ready (profiling does this as a side effect).
-
-    A loaded executable's first call pays one-time costs (buffer allocation, thread-pool
-    start, first touches of its code and constants); without this, live requests pay
-    them, one per cell, in the first seconds after ready.
-    """
-    import jax
-
-    for rt in runtimes.values():
-        for cell in rt.grid.cells():
-            raise_if_stopped(stop)
-            jax.block_until_ready(rt.table.run(cell, rt.weights, *example_inputs(rt, cell)))
-
-
-def price_cells(runtimes: dict[str, ModelRuntime], path: Path | None, progress: bool,
-                stop: Callable[[], bool] | None = None) -> CostModel:
-    """The cost model the policy uses: read from ``path`` if it prices every cell, else
-    measured now (``jaxserve profile`` does the same, with more repeats) and saved."""
-    if path is not None and path.exists():
-        cost = load_cost_model(path)
-        if all(n in cost.latency and set(rt.grid.cells()) <= set(cost.latency[n].seconds)
-               for n, rt in runtimes.items()):
-            run_every_cell_once(runtimes, stop)
-            return cost
-    latency = {
-        name: profile_table(rt.table, rt.weights, lambda cell, rt=rt: example_inputs(rt, cell),
-                            repeats=3, progress=progress, stop=stop)
-        for name, rt in runtimes.items()
-    }
-    cost = CostModel(latency=latency, machine=machine_description())
-    if path is not None:
-        save_cost_model(path, cost)
-    return cost
-
-
-def make_policy(settings: ServeSettings, runtimes: dict[str, ModelRuntime], cost: CostModel):
-    grids = {name: rt.grid for name, rt in runtimes.items()}
-    if settings.policy == "default":
-        from jaxserve.sched.batching import DeadlineBatching
-
-        return DeadlineBatching(grids, cost, max_queue=settings.max_queue, max_wait=settings.max_wait_ms / 1e3)
-    if settings.policy in TEXT_STREAM_POLICIES:
-        return _arlo_family_policy(settings, runtimes, cost)
-    if settings.policy in IMAGE_POLICIES:
-        from jaxserve.sched.otas import make_otas_policy
-
-        return make_otas_policy(settings.policy, runtimes, cost, settings.extra.get("otas", {}))
-    raise ValueError(f"unknown policy {settings.policy!r}; known: {', '.join(SERVE_POLICIES)}")
-
-
-def _arlo_family_policy(settings: ServeSettings, runtimes: dict, cost: CostModel):
-    """Arlo, ST, DT or INFaaS-like for the one text model served (jaxserve/sched/baselines.py).
-
-    These policies own every instance for one request stream (Arlo §3.1), so the
-    server must serve exactly one text model. DT's modelled dynamic-shape cost is
-    paid live by wrapping that model's runtime in :class:`DynamicShapeEmulation`
-    (the ``runtimes`` dict is the one the engine receives).
-    """
-    from jaxserve.sched import baselines
-    from jaxserve.sched.arlo import ArloPolicy
-
-    if len(runtimes) != 1 or not next(iter(runtimes.values())).grid.seq_buckets:
-        raise ValueError(f"--policy {settings.policy} serves exactly one text model (--model minilm-l6); "
-                         f"got {sorted(runtimes)}")
-    (name, rt), = runtimes.items()
-    profile = cost.latency[name]
-    slo = settings.slo_ms / 1e3 if settings.slo_ms else baselines.paper_scaled_slo(profile, rt.grid.max_length)
-    common = dict(max_batch=settings.arlo_max_batch)
-    if settings.policy == "arlo":
-        if settings.arlo_autoscale_from is None:
-            return ArloPolicy(name, rt.grid, cost, slo, settings.instances, period=settings.arlo_period_s, **common)
-        # §4 target tracking: the engine runs `instances` worker slots, the policy activates them as it scales
-        from jaxserve.sched.arlo import TargetTrackingAutoscaler
-
-        scaler = TargetTrackingAutoscaler(slo, min_instances=1, max_instances=settings.instances)
-        return ArloPolicy(name, rt.grid, cost, slo, settings.arlo_autoscale_from, period=settings.arlo_period_s,
-                          autoscaler=scaler, scale_pool=settings.instances, **common)
-    if settings.policy == "st":
-        return baselines.StaticPaddingPolicy(name, rt.grid, cost, slo, settings.instances, **common)
-    if settings.policy == "infaas":
-        return baselines.InfaasLikePolicy(name, rt.grid, cost, slo, settings.instances, **common)
-    penalty = settings.dt_penalty or baselines.DEFAULT_DT_PENALTY
-    policy = baselines.DynamicShapePolicy(name, rt.grid, cost, slo, settings.instances, penalty=penalty, **common)
-    if hasattr(rt, "execute"):
-        runtimes[name] = DynamicShapeEmulation(rt, policy.live_factor)
-    return policy
-
-
-class DynamicShapeEmulation:
-    """A text runtime that costs what DT's dynamic-shape runtime would (live DT baseline).
-
-    The batch is computed in the static cell the DT policy chose (the smallest bucket
-    that holds it: real answers, no compile at request time); the worker then holds
-    the batch until ``factor_for(cell, count, longest_length)`` times the measured
-    execution time has passed since it started, so clients and the queue behind see
-    DT's latency. The factor (``DynamicShapePolicy.live_factor``: penalty x exact-length
-    / bucket latency, both from the profile) scales *this* run's measured time, so DT
-    pays the machine's current speed like every other policy, not the profile's.
-    If the factor is below 1 the measured time stands.
-    """
-
-    def __init__(self, runtime, factor_for):
-        self._runtime = runtime
-        self._factor_for = factor_for
-
-    def __getattr__(self, name):
-        return getattr(self._runtime, name)
-
-    def execute(self, cell, payloads, tasks):
-        import time
-
-        t0 = time.perf_counter()
-        out = self._runtime.execute(cell, payloads, tasks)
-        measured = time.perf_counter() - t0
-        target = measured * self._factor_for(cell, len(payloads), max(len(p) for p in payloads))
-        rest = target - measured
-        if rest > 0:
-            time.sleep(rest)
-        out.compute_seconds = max(out.compute_seconds, target)
-        return out
-
-
-def reload_assets(engine: Engine, settings: ServeSettings) -> dict:
-    """Re-read every model's task assets (text heads, the image prompt repository) from where
-    they were loaded and serve them from the next batch on, with the same executables: nothing
-    compiles. All or nothing: every model's new assets are read and checked (they fit the
-    executables, no task disappears) before any is swapped in, so a bad file leaves the
-    server exactly as it was. Raises ValueError with the reason.
-
-    Under the OTAS policies, which plan with an accuracy per (task, gamma), the reloaded
-    repository's own profile (its accuracy.json, measured on the new prompts) must cover
-    every task at every gamma the policy picks; it replaces the policy's profile. The
-    returned report then holds ``"then"``: the policy's switch, which the caller runs on the
-    event loop (the engine's thread, the only one that touches the policy), right after
-    the runtime's switch. A profile the server was given with --cost-model describes the
-    prompts it started with, so a reload under it is refused."""
-    before = compile_count()
-    fresh = {name: rt.read_assets() for name, rt in engine.runtimes.items() if rt.read_assets is not None}
-    for name, (heads, prompts, _) in fresh.items():
-        engine.runtimes[name].check_assets(heads, prompts)
-    then = None
-    if settings.policy in IMAGE_POLICIES:
-        from jaxserve.sched.otas import check_coverage
-
-        policy = engine.policy
-        if policy.accuracy_source != "repository":
-            raise ValueError(f"--policy {settings.policy} plans with the accuracy profile of --cost-model, which "
-                             "describes the prompts the server started with; restart to serve new prompts")
-        (heads, _, accuracy), = fresh.values()  # these policies serve one model
-        if accuracy is None:
-            raise ValueError(f"--policy {settings.policy} needs the new repository's accuracy.json "
-                             "(jaxserve train-prompts writes it)")
-        check_coverage(policy, accuracy, heads)
-        then = lambda: policy.use_accuracy(accuracy)  # noqa: E731
-    models = {}
-    for name, (heads, prompts, accuracy) in fresh.items():
-        added = engine.runtimes[name].swap_assets(heads, prompts, accuracy)
-        models[name] = {"tasks": sorted(heads), "added": added}
-    log.info("reloaded task assets: %s", "; ".join(f"{n}: {', '.join(m['tasks'])}" for n, m in models.items()))
-    report = {"models": models, "compilations": compile_count() - before}
-    if then is not None:
-        report["then"] = then
-    return report
-
-
-def build_engine(settings: ServeSettings, stop: Callable[[], bool] | None = None) -> Engine:
-    """Load and warm every model, price every cell, build the policy and the engine.
-    ``stop`` is asked before each cell (compile, profile, first run): True raises
-    ``WarmupCancelled``, so a server shut down while it warms exits within a cell."""
-    cache = CompileCache(settings.cache_dir) if settings.cache_dir else None
-    runtimes = load_runtimes(settings, cache, stop)
-    cost_path = Path(settings.cost_model) if settings.cost_model else (
-        default_cost_model_path(settings.cache_dir, settings.precision) if settings.cache_dir else None)
-    cost = price_cells(runtimes, cost_path, settings.progress, stop)
-    policy = make_policy(settings, runtimes, cost)
-    return Engine(runtimes, policy, instances=settings.instances, max_queue=settings.max_queue,
-                  default_slo_ms=settings.slo_ms)
-
-
-GC_THRESHOLDS = (50_000, 20, 100)
-
-
-def settle_heap() -> None:
-    """After warmup: freeze everything warmup allocated out of the cyclic GC, and collect rarely.
-
-    Warmup leaves millions of long-lived objects (traced jaxprs, executables, weights'
-    Python wrappers, tokenizer tables) that every full collection then walks. Under load
-    the allocation rate of the request path triggers collections often enough that
-    py-spy found the event loop in ``gc_collect_main`` 25% of the time at 180 req/s, the
-    largest single cost on the loop. ``gc.freeze()`` moves the warm heap to a permanent
-    generation that collections skip; a larger gen-0 threshold makes young collections
-    rarer (request objects die young by reference counting anyway). Cycles are still
-    collected, and nothing frozen is ever freed, which is right for objects that live as
-    long as the server.
-    """
-    import gc
-
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def _reload_on_sighup(app: FastAPI) -> None:
     """SIGHUP reloads the task assets, as daemons conventionally reread their files on it
     (its default action would end the process). Only where the event loop runs in the main
     thread (``jaxserve serve``); an embedding application keeps its own signal handling."""
-    import signal
-
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGHUP"):
         return
 
@@ -421,8 +142,6 @@ def timed_protocol(header_timeout_s: float, on_timeout: Callable[[str], None] | 
     And bytes that arrive between
     requests (blank lines, which the parser skips without starting a request) start the
     next request's header deadline, since they cancel uvicorn's keep-alive timer too."""
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
     class TimedHttpProtocol(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
         _got_bytes = False
@@ -507,8 +226,6 @@ def timed_protocol(header_timeout_s: float, on_timeout: Callable[[str], None] | 
 def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, access_log: bool = False,
                    log_level: str = "info"):
     """The uvicorn configuration every server runs under (``serve`` and the tests' live server)."""
-    import uvicorn
-
     settings: ServeSettings = app.state.settings
     if (settings.ssl_certfile is None) != (settings.ssl_keyfile is None):
         raise ValueError("HTTPS needs both ssl_certfile and ssl_keyfile")
@@ -529,9 +246,6 @@ def graceful_server(config, app: FastAPI):
     finishes what it accepted; after the grace, uvicorn's own shutdown runs (connections
     close, accepted work drains, the process ends as SIGTERM would end it). A second
     SIGTERM, Ctrl-C, or a server still warming skips the grace."""
-    import signal
-    import uvicorn
-
     grace_s = app.state.settings.drain_grace_s
 
     class GracefulServer(uvicorn.Server):
@@ -556,8 +270,6 @@ def graceful_server(config, app: FastAPI):
 
 
 def _loopback(host: str) -> bool:
-    import ipaddress
-
     if host == "localhost":
         return True
     try:
@@ -569,8 +281,6 @@ def _loopback(host: str) -> bool:
 def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, access_log: bool = False) -> None:
     """Run the server. ``access_log`` is off by default: a log line per request took ~5% of
     the event loop's time at load (py-spy), and ``/metrics`` counts requests by status."""
-    import uvicorn
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for chatty in ("absl", "jax"):  # orbax's per-restore INFO lines (through absl), jax's "no TPU here"
         logging.getLogger(chatty).setLevel(logging.WARNING)

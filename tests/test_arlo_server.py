@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from jaxserve.sched.base import Cell, CostModel, LatencyProfile, ShapeGrid
-from serving.server import ServeSettings
+from jaxserve.launch import ServeSettings
 from test_server import LiveServer
 
 BUCKETS = (16, 32, 64)
@@ -118,11 +118,8 @@ def test_dt_baseline_serves_through_http(workdir):
 
 
 def test_text_stream_policies_refuse_image_models(workdir):
-    from serving.server import make_policy
-
-    class _RT:
-        def __init__(self, grid):
-            self.grid = grid
+    from jaxserve.launch import PlannedModel, make_policy
 
     with pytest.raises(ValueError, match="exactly one text model"):
-        make_policy(settings(workdir, "arlo"), {"minilm-l6": _RT(GRID), "vit-demo": _RT(ShapeGrid((1,)))}, COST)
+        make_policy(settings(workdir, "arlo"),
+                    {"minilm-l6": PlannedModel(GRID), "vit-demo": PlannedModel(ShapeGrid((1,)))}, COST)

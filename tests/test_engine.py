@@ -9,7 +9,7 @@ import pytest
 from jaxserve.engine import Answer, Draining, Engine, ExecutionFailed, Item, Overloaded, TooManyItems
 from jaxserve.models.bert import BERT_CONFIGS, BertConfig, init_bert
 from jaxserve.polymorph import PolymorphTable
-from jaxserve.runtime import ModelRuntime
+from jaxserve.runtime import TextRuntime
 from jaxserve.sched.base import Cell, CostModel, LatencyProfile, ShapeGrid
 from jaxserve.sched.batching import DeadlineBatching
 from jaxserve.servables import bert_servable, weights_of
@@ -26,7 +26,7 @@ def table():
 
 
 def make_engine(table, weights, instances=1, max_queue=64, **kw):
-    rt = ModelRuntime("tiny", table, weights)
+    rt = TextRuntime("tiny", table, weights)
     cost = CostModel({"tiny": LatencyProfile("tiny", {c: 0.002 * c.batch for c in GRID.cells()})})
     policy = DeadlineBatching({"tiny": GRID}, cost, max_queue=max_queue)
     return Engine({"tiny": rt}, policy, instances=instances, max_queue=max_queue, **kw)

@@ -18,7 +18,7 @@ import pytest
 from jaxserve.profiler import save_cost_model
 from jaxserve.registry import vit_demo_prompts_dir
 from jaxserve.sched.base import CostModel, LatencyProfile, ShapeGrid
-from serving.server import ServeSettings
+from jaxserve.launch import ServeSettings
 from test_server import LiveServer
 
 GRID = ShapeGrid(batch_sizes=(4,), gammas=(-2, 0, 2))

@@ -26,7 +26,7 @@ from jaxserve.polymorph import PolymorphTable, pad_token_batch
 from jaxserve.registry import load_image_runtime
 from jaxserve.sched.base import Cell, ShapeGrid
 from jaxserve.servables import bert_servable, weights_of
-from serving.server import ServeSettings
+from jaxserve.launch import ServeSettings
 from test_server import LiveServer
 
 TINY = BERT_CONFIGS["bert-tiny-test"]

@@ -16,7 +16,7 @@ from jaxserve.compile_cache import compile_count
 from jaxserve.models.vit import VIT_CONFIGS, init_vit
 from jaxserve.polymorph import NotWarmError, PolymorphTable
 from jaxserve.prompts import PromptEntry, PromptRepository, TaskSplit, profile_accuracy
-from jaxserve.runtime import ModelRuntime, TaskHead
+from jaxserve.runtime import ImageRuntime, TaskHead
 from jaxserve.sched.base import Cell, ShapeGrid
 from jaxserve.servables import vit_servable, weights_of
 
@@ -50,7 +50,8 @@ def runtime(model):
     table.warmup()
     heads = {t: TaskHead(t, labels, None, None, feature="logits") for t, labels in repo.labels.items()}
     shape = (CONFIG.image_size, CONFIG.image_size, CONFIG.num_channels)
-    return ModelRuntime("tiny", table, weights_of(model), heads, None, shape, 0.5, 0.25, prompts=repo)
+    return ImageRuntime("tiny", table, weights_of(model), heads, prompts=repo, image_shape=shape, pixel_mean=0.5,
+                        pixel_std=0.25)
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,9 @@ import pytest
 import uvicorn
 
 from conftest import FIXTURES
+from jaxserve.launch import ServeSettings
 from jaxserve.sched.base import ShapeGrid
-from serving.server import ServeSettings, build_app, uvicorn_config
+from serving.server import build_app, uvicorn_config
 
 TEXT_GRID = ShapeGrid(batch_sizes=(1, 4), seq_buckets=(16, 64))
 IMAGE_GRID = ShapeGrid(batch_sizes=(1, 4))
@@ -832,7 +833,7 @@ def test_metrics_expose_the_operational_series(client):
                    "jaxserve_slo_attainment", "jaxserve_compilations ", "jaxserve_items",
                    "jaxserve_batch_handoff_seconds_bucket"):
         assert series in m, series
-    # the warm heap was frozen out of the cyclic GC's reach at ready (serving.server.settle_heap)
+    # the warm heap was frozen out of the cyclic GC's reach at ready (jaxserve.launch.settle_heap)
     frozen = [float(line.split()[-1]) for line in m.splitlines() if line.startswith("jaxserve_gc_frozen_objects ")]
     assert frozen and frozen[0] > 10_000
 

@@ -1,0 +1,321 @@
+"""Assembly: settings -> runtimes -> policy -> engine, shared by the server, the CLI and the simulator.
+
+:func:`build_engine` is what a server does before it reports ready: every model warmed over
+its grid (compiled, or loaded from the compile cache: nothing compiles later), every cell
+priced (the cost model, read or measured), the policy built over those prices and the engine
+over both. The CLI's warmup, profile and demo load runtimes through :func:`load_runtimes`;
+its ``simulate`` builds the same policies through :func:`make_policy`, over the grids a cost
+model prices (:func:`simulated_models`). ``serving/`` adds HTTP around the engine, nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import jax
+
+from jaxserve import registry
+from jaxserve.compile_cache import CompileCache, compile_count
+from jaxserve.engine import Engine
+from jaxserve.polymorph import raise_if_stopped
+from jaxserve.profiler import load_cost_model, machine_description, profile_table, save_cost_model
+from jaxserve.runtime import ModelRuntime, TaskHead, TextRuntime
+from jaxserve.sched import IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES, baselines
+from jaxserve.sched.arlo import ArloPolicy, TargetTrackingAutoscaler
+from jaxserve.sched.base import AccuracyProfile, Cell, CostModel, LatencyProfile, ShapeGrid
+from jaxserve.sched.batching import DeadlineBatching
+from jaxserve.sched.otas import check_coverage, make_otas_policy
+
+log = logging.getLogger("jaxserve.launch")
+
+MODELS = ("minilm-l6", "vit-demo")  # the embedded models load_runtimes knows
+
+
+@dataclass
+class ServeSettings:
+    """What a server is told: the models and their grids, the policy and its parameters, and
+    (read by serving/ only) the HTTP limits, authentication and TLS."""
+
+    models: tuple[str, ...] = MODELS
+    cache_dir: str = "compiled_cache"
+    policy: str = "default"
+    instances: int = 1
+    max_queue: int = 256
+    max_wait_ms: float = 0.0  # dispatch when an instance is idle; batches form while all are busy
+    max_body_bytes: int = 8 * 1024 * 1024
+    header_timeout_s: float = 20.0  # connect to end of request headers (and between keep-alive requests' headers)
+    body_timeout_s: float = 60.0  # end of headers to end of body
+    drain_grace_s: float = 0.0  # after SIGTERM: not ready and refusing work, but listening, this long
+    api_key: str | None = field(default=None, repr=False)  # None: open; else Bearer auth (serving.app.Guard)
+    ssl_certfile: str | None = None  # with ssl_keyfile: serve HTTPS
+    ssl_keyfile: str | None = None
+    cost_model: str | None = None
+    precision: str = "f32"  # dense-kernel dtype of every model: "f32" or "bf16" (jaxserve.models.precision)
+    tune: bool = True  # warmup times each cell's alternative compile options and keeps the fastest (PolymorphTable)
+    progress: bool = True
+    text_grid: ShapeGrid | None = None  # grid overrides (tests use small ones)
+    image_grid: ShapeGrid | None = None
+    heads_dir: str | None = None  # minilm-l6's task heads (TASK.npz); None: the shipped ones
+    prompts_dir: str | None = None  # vit-demo's prompt repository; None: the shipped one
+    extra: dict = field(default_factory=dict)  # per-policy options: {"otas": make_otas_policy's options}
+    # Arlo and its baselines (--policy arlo|st|dt|infaas; jaxserve/sched/arlo/, baselines.py)
+    # the deadline of every request that sends no slo_ms (Engine.default_slo_ms); for arlo/st/dt/infaas
+    # also the stream's SLO they plan for (None there: the paper's SLO scaled by the profile)
+    slo_ms: float | None = None
+    arlo_period_s: float = 120.0  # Runtime Scheduler period (paper: 120 s)
+    arlo_max_batch: int = 1  # requests per batch (paper: 1)
+    dt_penalty: float | None = None  # DT's dynamic-shape slowdown; None: baselines.DEFAULT_DT_PENALTY
+    arlo_autoscale_from: int | None = None  # arlo: start this many of `instances` slots, target-tracking scaling
+
+
+def load_runtimes(settings: ServeSettings, cache: CompileCache | None,
+                  stop: Callable[[], bool] | None = None) -> dict[str, ModelRuntime]:
+    """Every model of ``settings`` warmed over its grid; ``stop`` as ``PolymorphTable.warmup``'s."""
+    runtimes: dict[str, ModelRuntime] = {}
+    for name in settings.models:
+        if name == "minilm-l6":
+            runtimes[name] = registry.load_text_runtime(
+                name, cache, settings.text_grid, settings.progress, precision=settings.precision,
+                heads_dir=None if settings.heads_dir is None else Path(settings.heads_dir), stop=stop,
+                tune=settings.tune)
+        elif name == "vit-demo":
+            runtimes[name] = registry.load_image_runtime(name, cache, settings.image_grid, settings.progress,
+                                                         prompts_dir=settings.prompts_dir,
+                                                         precision=settings.precision, stop=stop,
+                                                         tune=settings.tune)
+        else:
+            raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    return runtimes
+
+
+def default_cost_model_path(cache_dir: str | Path, precision: str = "f32") -> Path:
+    """Where a cache directory keeps its measured cost model: one file per precision, since a
+    bf16 cell's latency is not a float32 cell's."""
+    return Path(cache_dir) / ("cost_model.json" if precision == "f32" else f"cost_model-{precision}.json")
+
+
+def run_every_cell_once(runtimes: Mapping[str, ModelRuntime], stop: Callable[[], bool] | None = None) -> None:
+    """Execute every warm executable once before ready (profiling does this as a side effect).
+
+    A loaded executable's first call pays one-time costs (buffer allocation, thread-pool
+    start, first touches of its code and constants); without this, live requests pay
+    them, one per cell, in the first seconds after ready.
+    """
+    for rt in runtimes.values():
+        for cell in rt.grid.cells():
+            raise_if_stopped(stop)
+            jax.block_until_ready(rt.table.run(cell, rt.weights, *rt.example_inputs(cell)))
+
+
+def profile_latency(runtimes: Mapping[str, ModelRuntime], repeats: int, progress: bool,
+                    stop: Callable[[], bool] | None = None) -> dict[str, LatencyProfile]:
+    """Median latency of every cell of every runtime, on its example inputs, on this machine."""
+    return {name: profile_table(rt.table, rt.weights, rt.example_inputs, repeats=repeats, progress=progress,
+                                stop=stop)
+            for name, rt in runtimes.items()}
+
+
+def price_cells(runtimes: Mapping[str, ModelRuntime], path: Path | None, progress: bool,
+                stop: Callable[[], bool] | None = None) -> CostModel:
+    """The cost model the policy uses: read from ``path`` if it prices every cell, else
+    measured now (``jaxserve profile`` does the same, with more repeats) and saved."""
+    if path is not None and path.exists():
+        cost = load_cost_model(path)
+        if all(n in cost.latency and set(rt.grid.cells()) <= set(cost.latency[n].seconds)
+               for n, rt in runtimes.items()):
+            run_every_cell_once(runtimes, stop)
+            return cost
+    cost = CostModel(latency=profile_latency(runtimes, 3, progress, stop), machine=machine_description())
+    if path is not None:
+        save_cost_model(path, cost)
+    return cost
+
+
+@dataclass(frozen=True)
+class PlannedModel:
+    """What a policy sees of a served model: its grid, and for the OTAS policies the tasks'
+    profiled accuracy and heads. A runtime shows the same three; the simulator, which has no
+    runtime, plans with this (:func:`simulated_models`)."""
+
+    grid: ShapeGrid
+    accuracy: AccuracyProfile | None = None
+    heads: Mapping[str, TaskHead] = field(default_factory=dict)
+
+
+def simulated_models(cost: CostModel, model: str) -> dict[str, PlannedModel]:
+    """``model`` as ``jaxserve simulate`` plans it: the grid its cost model prices (ValueError if
+    it prices no such model). Its accuracy, if any, comes from the cost model too."""
+    if model not in cost.latency:
+        raise ValueError(f"the cost model prices {sorted(cost.latency)} only, not {model}")
+    cells = cost.latency[model].cells()
+    grid = ShapeGrid(tuple(sorted({c.batch for c in cells})), tuple(sorted({c.seq for c in cells if c.seq})),
+                     tuple(sorted({c.gamma for c in cells})))
+    return {model: PlannedModel(grid)}
+
+
+def make_policy(settings: ServeSettings, models: Mapping[str, Any], cost: CostModel):
+    """The policy ``settings.policy`` names, for ``models`` (name -> a runtime or a
+    :class:`PlannedModel`), planning with ``cost``. ValueError if the policy cannot serve
+    these models (the Arlo family: exactly one text model; the OTAS family: one image model)."""
+    grids = {name: m.grid for name, m in models.items()}
+    if settings.policy == "default":
+        return DeadlineBatching(grids, cost, max_queue=settings.max_queue, max_wait=settings.max_wait_ms / 1e3)
+    if settings.policy in TEXT_STREAM_POLICIES:
+        return _arlo_family_policy(settings, grids, cost)
+    if settings.policy in IMAGE_POLICIES:
+        return make_otas_policy(settings.policy, models, cost, settings.extra.get("otas", {}))
+    raise ValueError(f"unknown policy {settings.policy!r}; known: {', '.join(SERVE_POLICIES)}")
+
+
+def _arlo_family_policy(settings: ServeSettings, grids: Mapping[str, ShapeGrid], cost: CostModel):
+    """Arlo, ST, DT or INFaaS-like for the one text model served (jaxserve/sched/baselines.py).
+
+    These policies own every instance for one request stream (Arlo §3.1), so exactly one
+    text model must be served. DT's modelled dynamic-shape cost is paid live by the runtime
+    :func:`engine_runtimes` gives the engine (:class:`DynamicShapeEmulation`).
+    """
+    if len(grids) != 1 or not next(iter(grids.values())).seq_buckets:
+        raise ValueError(f"--policy {settings.policy} serves exactly one text model (--model minilm-l6); "
+                         f"got {sorted(grids)}")
+    (name, grid), = grids.items()
+    profile = cost.latency[name]
+    slo = settings.slo_ms / 1e3 if settings.slo_ms else baselines.paper_scaled_slo(profile, grid.max_length)
+    common = dict(max_batch=settings.arlo_max_batch)
+    if settings.policy == "arlo":
+        if settings.arlo_autoscale_from is None:
+            return ArloPolicy(name, grid, cost, slo, settings.instances, period=settings.arlo_period_s, **common)
+        # §4 target tracking: the engine runs `instances` worker slots, the policy activates them as it scales
+        scaler = TargetTrackingAutoscaler(slo, min_instances=1, max_instances=settings.instances)
+        return ArloPolicy(name, grid, cost, slo, settings.arlo_autoscale_from, period=settings.arlo_period_s,
+                          autoscaler=scaler, scale_pool=settings.instances, **common)
+    if settings.policy == "st":
+        return baselines.StaticPaddingPolicy(name, grid, cost, slo, settings.instances, **common)
+    if settings.policy == "infaas":
+        return baselines.InfaasLikePolicy(name, grid, cost, slo, settings.instances, **common)
+    penalty = settings.dt_penalty or baselines.DEFAULT_DT_PENALTY
+    return baselines.DynamicShapePolicy(name, grid, cost, slo, settings.instances, penalty=penalty, **common)
+
+
+@dataclass(kw_only=True)
+class DynamicShapeEmulation(TextRuntime):
+    """A text runtime that costs what DT's dynamic-shape runtime would (live DT baseline).
+
+    The batch is computed in the static cell the DT policy chose (the smallest bucket
+    that holds it: real answers, no compile at request time); the worker then holds
+    the batch until ``factor_for(cell, count, longest_length)`` times the measured
+    execution time has passed since it started, so clients and the queue behind see
+    DT's latency. The factor (``DynamicShapePolicy.live_factor``: penalty x exact-length
+    / bucket latency, both from the profile) scales *this* run's measured time, so DT
+    pays the machine's current speed like every other policy, not the profile's.
+    If the factor is below 1 the measured time stands.
+    """
+
+    factor_for: Callable[[Cell, int, int], float]
+
+    @classmethod
+    def of(cls, runtime: TextRuntime, factor_for: Callable[[Cell, int, int], float]) -> "DynamicShapeEmulation":
+        """``runtime``'s table, weights and assets, paced by ``factor_for``."""
+        fields = {f.name: getattr(runtime, f.name) for f in dataclasses.fields(runtime) if f.init}
+        return cls(**fields, factor_for=factor_for)
+
+    def execute(self, cell, payloads, tasks):
+        t0 = time.perf_counter()
+        out = super().execute(cell, payloads, tasks)
+        measured = time.perf_counter() - t0
+        target = measured * self.factor_for(cell, len(payloads), max(len(p) for p in payloads))
+        rest = target - measured
+        if rest > 0:
+            time.sleep(rest)
+        out.compute_seconds = max(out.compute_seconds, target)
+        return out
+
+
+def engine_runtimes(policy, runtimes: dict[str, ModelRuntime]) -> dict[str, ModelRuntime]:
+    """The runtimes the engine runs under ``policy``: those loaded, except that under DT
+    (:class:`~jaxserve.sched.baselines.DynamicShapePolicy`) the text model pays DT's
+    modelled dynamic-shape cost (:class:`DynamicShapeEmulation`)."""
+    if not isinstance(policy, baselines.DynamicShapePolicy):
+        return runtimes
+    return {name: DynamicShapeEmulation.of(rt, policy.live_factor) for name, rt in runtimes.items()}
+
+
+def reload_assets(engine: Engine, settings: ServeSettings) -> dict:
+    """Re-read every model's task assets (text heads, the image prompt repository) from where
+    they were loaded and serve them from the next batch on, with the same executables: nothing
+    compiles. All or nothing: every model's new assets are read and checked (they fit the
+    executables, no task disappears) before any is swapped in, so a bad file leaves the
+    server exactly as it was. Raises ValueError with the reason.
+
+    Under the OTAS policies, which plan with an accuracy per (task, gamma), the reloaded
+    repository's own profile (its accuracy.json, measured on the new prompts) must cover
+    every task at every gamma the policy picks; it replaces the policy's profile. The
+    returned report then holds ``"then"``: the policy's switch, which the caller runs on the
+    event loop (the engine's thread, the only one that touches the policy), right after
+    the runtime's switch. A profile the server was given with --cost-model describes the
+    prompts it started with, so a reload under it is refused."""
+    before = compile_count()
+    fresh = {name: rt.read_assets() for name, rt in engine.runtimes.items() if rt.read_assets is not None}
+    for name, (heads, prompts, _) in fresh.items():
+        engine.runtimes[name].check_assets(heads, prompts)
+    then = None
+    if settings.policy in IMAGE_POLICIES:
+        policy = engine.policy
+        if policy.accuracy_source != "repository":
+            raise ValueError(f"--policy {settings.policy} plans with the accuracy profile of --cost-model, which "
+                             "describes the prompts the server started with; restart to serve new prompts")
+        (heads, _, accuracy), = fresh.values()  # these policies serve one model
+        if accuracy is None:
+            raise ValueError(f"--policy {settings.policy} needs the new repository's accuracy.json "
+                             "(jaxserve train-prompts writes it)")
+        check_coverage(policy, accuracy, heads)
+        then = lambda: policy.use_accuracy(accuracy)  # noqa: E731
+    models = {}
+    for name, (heads, prompts, accuracy) in fresh.items():
+        added = engine.runtimes[name].swap_assets(heads, prompts, accuracy)
+        models[name] = {"tasks": sorted(heads), "added": added}
+    log.info("reloaded task assets: %s", "; ".join(f"{n}: {', '.join(m['tasks'])}" for n, m in models.items()))
+    report = {"models": models, "compilations": compile_count() - before}
+    if then is not None:
+        report["then"] = then
+    return report
+
+
+def build_engine(settings: ServeSettings, stop: Callable[[], bool] | None = None) -> Engine:
+    """Load and warm every model, price every cell, build the policy and the engine.
+    ``stop`` is asked before each cell (compile, profile, first run): True raises
+    ``WarmupCancelled``, so a server shut down while it warms exits within a cell."""
+    cache = CompileCache(settings.cache_dir) if settings.cache_dir else None
+    runtimes = load_runtimes(settings, cache, stop)
+    cost_path = Path(settings.cost_model) if settings.cost_model else (
+        default_cost_model_path(settings.cache_dir, settings.precision) if settings.cache_dir else None)
+    cost = price_cells(runtimes, cost_path, settings.progress, stop)
+    policy = make_policy(settings, runtimes, cost)
+    return Engine(engine_runtimes(policy, runtimes), policy, instances=settings.instances,
+                  max_queue=settings.max_queue, default_slo_ms=settings.slo_ms)
+
+
+GC_THRESHOLDS = (50_000, 20, 100)
+
+
+def settle_heap() -> None:
+    """After warmup: freeze everything warmup allocated out of the cyclic GC, and collect rarely.
+
+    Warmup leaves millions of long-lived objects (traced jaxprs, executables, weights'
+    Python wrappers, tokenizer tables) that every full collection then walks. Under load
+    the allocation rate of the request path triggers collections often enough that
+    py-spy found the event loop in ``gc_collect_main`` 25% of the time at 180 req/s, the
+    largest single cost on the loop. ``gc.freeze()`` moves the warm heap to a permanent
+    generation that collections skip; a larger gen-0 threshold makes young collections
+    rarer (request objects die young by reference counting anyway). Cycles are still
+    collected, and nothing frozen is ever freed, which is right for objects that live as
+    long as the server.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
