@@ -159,7 +159,7 @@ class StageHost:
             return parent
         from jaxserve.stages import build_stage_runtimes
 
-        return build_stage_runtimes(parent, [stage], self._open_cache())[stage]
+        return build_stage_runtimes(parent, [stage], self._open_cache(), tune=self._spec.tune)[stage]
 
     def hold(self, stages: Sequence[Stage]) -> HostReport:
         """Load ``stages`` (a new actor's first call)."""
@@ -407,7 +407,9 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None,
 
     ``address`` None starts a local Ray with ``num_cpus`` logical CPUs, no dashboard, the
     workers' logs left in Ray's log directory and a small object store (``object_store_mb``);
-    ``"auto"`` or ``HOST:PORT`` joins a running cluster (``ray start --head`` there)."""
+    ``"auto"`` or ``HOST:PORT`` joins a running cluster (``ray start --head`` there; with
+    Ray's token authentication on, the driver needs that cluster's token, e.g. in
+    ``RAY_AUTH_TOKEN``). Every node needs jaxserve installed and its compile cache filled."""
     if ray.is_initialized():
         return
     if address is None:

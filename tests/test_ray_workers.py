@@ -118,6 +118,31 @@ def test_a_step_of_a_stage_it_does_not_hold_is_refused(worker, runtimes):
         worker.submit(image_step(runtimes))
 
 
+def test_a_pipeline_of_two_actors_answers_as_the_whole_model(settings, runtimes, worker, cluster):
+    """MiniLM cut at layer 3: the first stage in one actor, the last in another; the hidden
+    states travel between them as numpy arrays, through Ray's object store."""
+    from jaxserve.stages import build_stage_runtimes, split_stages
+
+    rt = runtimes["minilm-l6"]
+    first, last = split_stages("minilm-l6", rt.num_layers, (3,))
+    # the node's warmup of the stages' executables, with the loaders' tuning
+    build_stage_runtimes(rt, (first, last), CompileCache(settings.cache_dir), tune=settings.tune)
+    (tail,) = make_ray_workers(settings, 1, [[last]], first_id=5)
+    try:
+        assert worker.load(first).result(timeout=WAIT) > 0
+        step = text_step(runtimes)
+        head = worker.submit(Step(first, step.cell, step.payloads, step.tasks)).result(timeout=WAIT)
+        assert head.items is None and head.carry.count == 2
+        assert isinstance(head.carry.arrays["hidden"], np.ndarray) and head.carry.arrays["hidden"].shape == (2, 16, 384)
+        out = tail.submit(Step(last, step.cell, (), step.tasks, head.carry)).result(timeout=WAIT)
+        assert_same(out, worker.submit(step).result(timeout=WAIT))
+        assert worker.holdings().stages == {first, whole(runtimes, "minilm-l6")}
+        assert worker.compilations() == 0 and tail.compilations() == 0
+    finally:
+        worker.unload(first)
+        tail.close()
+
+
 def test_load_then_unload_a_stage(settings, runtimes, cluster):
     w = RayWorker(7, WorkerSpec.from_settings(settings), [])
     try:
