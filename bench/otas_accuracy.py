@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench.common import PLOTS, record, save_plot, table
 
-# The optimiser comparison behind training/train_prompts.py's defaults: the same code
+# The optimiser comparison behind jaxserve/prompt_training.py's defaults: the same code
 # (train_repository, task "inverted", P = 4), profiling-split accuracy of (P = 0 probe, P = 4).
 OPTIMISER_SWEEP = [
     ("SGD m=0.9, lr 0.002, 50 epochs (the paper's recipe)", 0.6056, 0.6722),
@@ -31,7 +31,8 @@ OPTIMISER_SWEEP = [
 
 def measure(prompts_dir: Path, gammas, cache_dir):
     from jaxserve.compile_cache import CompileCache
-    from jaxserve.prompts import digit_task_split, profile_accuracy
+    from jaxserve.datasets import digit_task_split
+    from jaxserve.prompts import profile_accuracy
     from jaxserve.registry import load_image_runtime
     from jaxserve.sched.base import ShapeGrid
 
@@ -103,7 +104,7 @@ def main() -> None:
              "each task that neither the backbone nor the prompts were trained on. gamma < 0 merges |gamma| tokens per "
              "layer (demo mapping of the paper's -20..-5, jaxserve/registry.py OTAS_GAMMAS); gamma > 0 runs the task's "
              "(task, P = gamma) prompts and head. The optimiser table was measured with the same training code "
-             "(training/train_prompts.py train_repository) in separate runs on this machine; it is not re-run here."
+             "(jaxserve/prompt_training.py train_repository) in separate runs on this machine; it is not re-run here."
              f"\n\n![accuracy](plots/{png.name})")
     if args.write:
         record("otas-accuracy", "OTAS: accuracy against gamma (demo ViT, three tasks)", body, notes)

@@ -51,12 +51,13 @@ def variant_configs():
 def build(name: str, cfg, ckpt_root: Path, epochs: int, cache, log=print):
     from jaxserve.models.vit import VIT_CONFIGS
     from jaxserve.polymorph import PolymorphTable
-    from jaxserve.prompts import DIGIT_TASKS, PromptRepository, backbone_head_entry, digit_task_split
+    from jaxserve.datasets import DIGIT_TASKS, digit_task_split
+    from jaxserve.prompts import PromptRepository, backbone_head_entry
     from jaxserve.registry import vit_demo_dir
     from jaxserve.runtime import ImageRuntime, TaskHead
     from jaxserve.sched.base import ShapeGrid
     from jaxserve.servables import vit_servable, weights_of
-    from training.train_prompts import PromptSettings, train_repository
+    from jaxserve.prompt_training import PromptSettings, train_repository
     from jaxserve.models.vit import load_vit_checkpoint
     from training.train_vit_digits import train
 

@@ -44,7 +44,7 @@ POLICIES = {"otas": "OTAS", "pets": "PetS", "tome": f"ToMe ({TOME_GAMMA:+d})", "
 def pngs_by_task(shape) -> dict:
     from PIL import Image
 
-    from jaxserve.prompts import digit_task_split
+    from jaxserve.datasets import digit_task_split
 
     out = {}
     for task in {q[0] for q in QUERY_TYPES}:

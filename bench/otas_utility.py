@@ -95,7 +95,7 @@ def make_workload(kind: str, duration: float, seed: int, rate_scale: float = 1.0
 def correctness_table(gammas, cache_dir: str | None, extra_models=()) -> dict:
     """{(task, gamma): bool[test images]}: the real executables' verdict on every test image."""
     from jaxserve.compile_cache import CompileCache
-    from jaxserve.prompts import digit_task_split
+    from jaxserve.datasets import digit_task_split
     from jaxserve.registry import load_image_runtime
     from jaxserve.sched.base import ShapeGrid
 

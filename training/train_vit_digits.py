@@ -27,8 +27,8 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxserve.cli import POSITIVE_INT
+from jaxserve.datasets import prepare_digits, train_batches
 from jaxserve.models.vit import VIT_CONFIGS, ViT, ViTConfig, abstract_vit, init_vit, vit_forward
-from training.data import prepare_digits, train_batches
 
 
 @dataclass(frozen=True)
