@@ -206,8 +206,9 @@ def make_policy(name: str, instances: int, runtimes: int = 8, max_batch: int = 1
                                 interval=seconds(PAPER["infaas_interval"]), window=seconds(PAPER["infaas_window"]),
                                 **kw)
     if name in ("arlo", "ilb", "ig", "ig-load"):
+        # the paper's deployment (one runtime per instance) unless kw says otherwise: these scripts reproduce §5
         return ArloPolicy(MODEL, g, cost, slo(), instances, dispatcher="arlo" if name == "arlo" else name,
-                          **{**arlo_kw, **kw})
+                          **{**arlo_kw, "shared_runtimes": False, **kw})
     raise ValueError(name)
 
 

@@ -530,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
                          "arlo/st/dt/infaas also plan for it as the stream's SLO (default there: the paper's "
                          "150 ms scaled by the profile)")
     sp.add_argument("--arlo-period-s", type=POSITIVE, default=120.0, help="arlo: Runtime Scheduler period")
-    sp.add_argument("--arlo-max-batch", type=POSITIVE_INT, default=1, help="arlo/st/dt/infaas: requests per batch")
+    sp.add_argument("--arlo-max-batch", type=POSITIVE_INT, default=None,
+                    help="arlo/st/dt/infaas: requests per batch (default: arlo from the profile, the others 1)")
     sp.add_argument("--dt-penalty", type=POSITIVE, default=None, help="dt: dynamic-shape slowdown (default 1.22)")
     sp.add_argument("--arlo-autoscale-from", type=POSITIVE_INT, default=None,
                     help="arlo: start N of the --instances worker slots and scale by target tracking (§4)")

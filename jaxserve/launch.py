@@ -69,7 +69,7 @@ class ServeSettings:
     # also the stream's SLO they plan for (None there: the paper's SLO scaled by the profile)
     slo_ms: float | None = None
     arlo_period_s: float = 120.0  # Runtime Scheduler period (paper: 120 s)
-    arlo_max_batch: int = 1  # requests per batch (paper: 1)
+    arlo_max_batch: int | None = None  # requests per batch; None: arlo from the profile, st/dt/infaas 1 (paper)
     dt_penalty: float | None = None  # DT's dynamic-shape slowdown; None: baselines.DEFAULT_DT_PENALTY
     arlo_autoscale_from: int | None = None  # arlo: start this many of `instances` slots, target-tracking scaling
 

@@ -459,6 +459,8 @@ def make_policy(instances=6, **kw):
         {Cell(b, s): 0.002 * (1 + s / 64) * (1 + 0.5 * (b - 1)) for s in buckets for b in (1, 2, 4)},
     )
     grid = ShapeGrid(batch_sizes=(1, 2, 4), seq_buckets=buckets)
+    kw.setdefault("shared_runtimes", False)  # these tests pin the paper's deployment: one runtime per instance
+    kw.setdefault("max_batch", 1)
     return ArloPolicy("bert", grid, prof, slo=0.1, instances=instances, **kw), prof
 
 

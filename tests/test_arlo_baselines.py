@@ -178,7 +178,7 @@ def test_arlo_applies_its_own_scaling_inside_a_pool_of_worker_slots():
 
 
 def test_arlo_metrics_report_instances_per_runtime_and_counters():
-    policy = ArloPolicy("bert", GRID, COST, SLO, instances=3, initial_allocation=(0, 0, 3))
+    policy = ArloPolicy("bert", GRID, COST, SLO, instances=3, initial_allocation=(0, 0, 3), shared_runtimes=False)
     policy.on_arrival(Request(0, 0.0, "bert", length=10), 0.0)
     (batch,) = policy.plan(0.0, [0, 1, 2]).batches
     policy.on_completion(batch, 0.01)
@@ -194,11 +194,18 @@ def test_arlo_metrics_report_instances_per_runtime_and_counters():
 def test_make_policy_builds_each_text_stream_policy(name):
     from jaxserve.launch import PlannedModel, ServeSettings, make_policy
 
+    from jaxserve.sched.arlo.groups import profile_max_batch
+
     policy = make_policy(ServeSettings(policy=name, instances=3), {"bert": PlannedModel(GRID)}, COST)
     assert policy.name == name
-    # priced with the paper-scaled SLO: M_i from the profile, one per runtime the policy runs
-    expected = tuple(LatencyCurve(PROFILE, seq, policy.max_batch).capacity(policy.slo) for seq in policy.buckets)
-    assert policy.runtime.capacity == expected and expected[0] >= expected[-1] > 1
+    if name == "arlo":  # runtime groups, each runtime's max batch from the profile, one group at first
+        assert policy.shared and policy.level_max_batch == tuple(
+            profile_max_batch(PROFILE, GRID.batch_sizes, s, policy.slo) for s in BUCKETS)
+        assert policy.instances_per_runtime() == {64: 0, 128: 0, 256: 3}
+    else:  # priced with the paper-scaled SLO: M_i from the profile, one per runtime the policy runs, batch 1
+        assert not policy.shared and policy.max_batch == 1
+        expected = tuple(LatencyCurve(PROFILE, seq, 1).capacity(policy.slo) for seq in policy.buckets)
+        assert policy.runtime.capacity == expected and expected[0] >= expected[-1] > 1
     assert math.isclose(policy.slo, paper_scaled_slo(PROFILE, 256))
     assert sum(policy.instances_per_runtime().values()) == 3
 
@@ -254,7 +261,8 @@ def test_reallocation_redispatches_every_queued_request_to_newly_deployed_runtim
     Runtime Scheduler deploys their runtime, even from an instance that did not move."""
     for redispatch in (True, False):
         policy = ArloPolicy("bert", GRID, COST, SLO, instances=3, initial_allocation=(0, 0, 3), period=1.0,
-                            window=10.0, warmup=1.0, redispatch_queued=redispatch)
+                            window=10.0, warmup=1.0, redispatch_queued=redispatch, shared_runtimes=False,
+                            max_batch=1)
         for k in range(39):  # all short, all demoted to the three 256 instances (13 each)
             policy.on_arrival(Request(k, 0.0, "bert", length=20), 0.0)
         policy.on_arrival(Request(39, 1.0, "bert", length=20), 1.0)  # a period passed: re-solve

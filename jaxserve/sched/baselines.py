@@ -40,7 +40,7 @@ batch computes its answer in the smallest static bucket that holds it
 (:meth:`DynamicShapePolicy._cell_for`, so no compile ever happens at request time)
 and the worker then holds the batch for its measured time times
 :meth:`DynamicShapePolicy.live_factor` (``penalty * exact / bucket`` latency from
-the profile; ``serving/server.py``: ``DynamicShapeEmulation``), so live DT runs at
+the profile; ``jaxserve/launch.py``: ``DynamicShapeEmulation``), so live DT runs at
 the machine's current speed like the other policies; when the factor is below 1
 DT pays the measured time.
 
@@ -122,6 +122,16 @@ def _profile_of(model: str, cost: CostModel | LatencyProfile) -> LatencyProfile:
     return cost.latency[model] if isinstance(cost, CostModel) else cost
 
 
+def _paper_runtimes(kw: dict) -> dict:
+    """The baselines keep the paper's deployment: one runtime per instance, batch 1 unless a
+    max batch is given (``None``, Arlo's "from the profile", means 1 here)."""
+    kw = dict(kw)
+    if kw.get("max_batch") is None:
+        kw["max_batch"] = 1
+    kw["shared_runtimes"] = False
+    return kw
+
+
 def _single_bucket(grid: ShapeGrid) -> ShapeGrid:
     return ShapeGrid(batch_sizes=grid.batch_sizes, seq_buckets=(grid.max_length,))
 
@@ -196,7 +206,7 @@ class StaticPaddingPolicy(ArloPolicy):
     def __init__(self, model: str, grid: ShapeGrid, cost: CostModel | LatencyProfile, slo: float,
                  instances: int, **kw) -> None:
         super().__init__(model, _single_bucket(grid), cost, slo, instances, dispatcher="ilb",
-                         period=_INF, warmup=_INF, **kw)
+                         period=_INF, warmup=_INF, **_paper_runtimes(kw))
 
 
 class DynamicShapePolicy(ArloPolicy):
@@ -218,14 +228,14 @@ class DynamicShapePolicy(ArloPolicy):
         self.exec_buckets = grid.seq_buckets
         self._lengths: dict[int, int] = {}
         super().__init__(model, _single_bucket(grid), cost, slo, instances, dispatcher="ilb",
-                         period=_INF, warmup=_INF, **kw)
+                         period=_INF, warmup=_INF, **_paper_runtimes(kw))
 
     def service_seconds(self, count: int, length: int) -> float:
         """Modelled DT time of ``count`` requests padded to the longest, ``length`` tokens."""
         return self.penalty * exact_length_latency(self.profile, count, length)
 
     def live_factor(self, cell: Cell, count: int, length: int) -> float:
-        """DT time / static time of ``cell``, for the live emulation (``serving/server.py``).
+        """DT time / static time of ``cell``, for the live emulation (``jaxserve/launch.py``).
 
         ``penalty * exact(count, length) / exact(count, cell.seq)``: the live worker
         multiplies the executable's *measured* time by it, so DT follows the machine's
@@ -382,15 +392,16 @@ class InfaasLikePolicy(ArloPolicy):
     name = "infaas"
 
     def __init__(self, model: str, grid: ShapeGrid, cost: CostModel | LatencyProfile, slo: float,
-                 instances: int, *, max_batch: int = 1, interval: float = 2.0, window: float = 10.0,
+                 instances: int, *, max_batch: int | None = 1, interval: float = 2.0, window: float = 10.0,
                  headroom: float = 0.8, **kw) -> None:
         profile = _profile_of(model, cost)
+        max_batch = 1 if max_batch is None else max_batch
         mb = max(1, min(int(max_batch), grid.max_batch))
         curves = [LatencyCurve(profile, s, mb) for s in grid.seq_buckets]
         allocator = HeadroomAllocator(grid.seq_buckets, curves, slo, max_batch=mb, interval=interval,
                                       window=window, headroom=headroom)
         super().__init__(model, grid, cost, slo, instances, dispatcher=FirstFitDispatcher,
-                         max_batch=max_batch, allocator=allocator, **kw)
+                         max_batch=max_batch, allocator=allocator, shared_runtimes=False, **kw)
 
     def _place(self, request: Request) -> int | None:
         inst = super()._place(request)

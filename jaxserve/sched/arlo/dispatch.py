@@ -78,6 +78,13 @@ class MultiLevelDispatcher:
         # thresholds lambda * alpha**k * M_j, precomputed per (position, level)
         self._thresh = [[self.lam * self.alpha**p * c for c in self.capacity] for p in range(self.peek)]
 
+    def set_capacity(self, capacity: Sequence[int]) -> None:
+        """New ``M`` per level (runtime groups change with each allocation: ``arlo.groups``)."""
+        if len(capacity) != len(self.buckets) or min(capacity) <= 0:
+            raise ValueError("one positive capacity per bucket")
+        self.capacity = tuple(float(c) for c in capacity)
+        self._thresh = [[self.lam * self.alpha**p * c for c in self.capacity] for p in range(self.peek)]
+
     # -- instances ---------------------------------------------------------------
     def _refresh(self) -> None:
         nxt = -1
@@ -135,6 +142,11 @@ class MultiLevelDispatcher:
         if length < 0 or length >= len(self._level_of):
             raise ValueError(f"length {length} exceeds the largest bucket {self.buckets[-1]}")
         return self._level_of[length]
+
+    def deployed_level(self, length: int) -> int:
+        """The first deployed level that holds ``length`` (``-1``: none): the request's own
+        runtime group (``arlo.groups``); Alg. 1 tries it first."""
+        return self._next[self.fitting_level(length)]
 
     # -- load updates ------------------------------------------------------------
     def complete(self, instance: int, count: int = 1) -> None:

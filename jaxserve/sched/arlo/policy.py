@@ -1,7 +1,9 @@
 """Arlo as a :class:`~jaxserve.sched.base.Policy` (§3.1): the Runtime Scheduler (§3.3), the
 Request Scheduler (§3.4) and autoscaling (§4) behind the engine's hooks, for one text model
-(one request stream). One runtime per sequence bucket; each instance runs one runtime at a
-time and has a FIFO queue. The contract, and where we differ from the paper (re-dispatch of
+(one request stream). One runtime per sequence bucket; by default each instance serves a
+*group* of consecutive runtimes (:mod:`jaxserve.sched.arlo.groups`), with ``shared_runtimes=False``
+exactly one (the paper's deployment); each instance has a FIFO queue. The contract, and where we
+differ from the paper (runtime groups, batches up to the profile's max batch, re-dispatch of
 queued requests, the switching charge, the scale pool), are on :class:`ArloPolicy`.
 """
 
@@ -16,7 +18,8 @@ from jaxserve.sched.arlo._common import _INF
 from jaxserve.sched.arlo.allocation import LatencyCurve
 from jaxserve.sched.arlo.autoscale import ScaleDecision, TargetTrackingAutoscaler
 from jaxserve.sched.arlo.dispatch import DISPATCHERS, MultiLevelDispatcher
-from jaxserve.sched.arlo.runtime_scheduler import RuntimeScheduler
+from jaxserve.sched.arlo.groups import GroupCostModel, profile_max_batch
+from jaxserve.sched.arlo.runtime_scheduler import GroupScheduler, RuntimeScheduler
 from jaxserve.sched.base import (
     Batch,
     Cell,
@@ -49,15 +52,32 @@ class ArloCounters:
 class ArloPolicy(Policy):
     """Arlo as a :class:`~jaxserve.sched.base.Policy`, for one model (one request stream).
 
-    * Instances ``0..G-1`` each run one runtime (bucket of ``grid.seq_buckets``);
-      the initial allocation is even (remainder to the longest runtimes) unless
-      ``initial_allocation`` (instances per runtime) is given.
+    * **Runtime groups** (``shared_runtimes=True``, the default; ours, not the paper's:
+      :mod:`jaxserve.sched.arlo.groups` says why). An instance placed on runtime ``k``
+      serves the group of runtimes after the previous deployed one up to ``k``, each
+      batch in its requests' own bucket; the :class:`GroupScheduler` chooses the
+      groups and their instances from the observed rates per runtime with queueing in
+      the objective. The first allocation (before any length is seen) is one group of
+      every runtime on all instances: nothing is padded beyond its bucket and every
+      instance serves every request, whatever the lengths turn out to be (the paper
+      does not say how Arlo starts; an even split of 2 instances over 9 runtimes put
+      everything on the two longest). With ``shared_runtimes=False`` instance
+      ``0..G-1`` each run exactly one runtime (§3.3), every batch in that runtime's
+      bucket, allocated by Eq. 1-7 (:class:`RuntimeScheduler`); the initial allocation
+      is then even (remainder to the longest runtimes). Either way
+      ``initial_allocation`` (instances per runtime) overrides the start.
+    * **Max batch**: ``max_batch=None`` (default) takes each runtime's from the
+      profile (:func:`~jaxserve.sched.arlo.groups.profile_max_batch`: the largest
+      grid batch within half the SLO); an integer fixes it for every runtime (the
+      paper's §5 uses 1). A batch takes the queue's head and, in runtime groups,
+      the queued requests of the head's bucket, up to that runtime's max batch.
     * ``on_arrival`` records the length for the runtime scheduler and dispatches the
       request to an instance with the request scheduler (``dispatcher``: ``"arlo"``
       = Alg. 1, ``"ilb"``, ``"ig"``); each instance has a FIFO queue.
     * ``plan`` gives every idle instance (the caller's truth) the head of its queue,
-      up to ``max_batch`` requests (1, as in the paper; capped by the grid), in
-      ``Cell(batch_size_for(k), seq=its runtime's bucket)``.
+      up to the max batch (above), in ``Cell(batch_size_for(k), seq)`` with ``seq``
+      the instance's runtime's bucket (one runtime per instance) or the head
+      request's own bucket (runtime groups).
     * Every callback first lets the runtime scheduler reallocate (``warmup``
       seconds after the first arrival, then every ``period``); an instance that switches runtime keeps its running batch, its
       queued requests are re-dispatched (nothing is lost), and with
@@ -118,9 +138,10 @@ class ArloPolicy(Policy):
         lam: float = 0.85,
         alpha: float = 0.9,
         peek: int = 6,
-        max_batch: int = 1,
+        max_batch: int | None = None,
+        shared_runtimes: bool = True,
         solver: str = "dp",
-        hysteresis: float = 0.0,
+        hysteresis: float | None = None,
         initial_allocation: Sequence[int] | None = None,
         replacement_seconds: float = 0.0,
         autoscaler: TargetTrackingAutoscaler | None = None,
@@ -136,22 +157,27 @@ class ArloPolicy(Policy):
         self.model = model
         self.grid = grid
         self.buckets = grid.seq_buckets
-        self.max_batch = max(1, min(int(max_batch), grid.max_batch))
+        if max_batch is None:
+            per_level = [profile_max_batch(profile, grid.batch_sizes, s, slo) for s in self.buckets]
+        else:
+            per_level = [max(1, min(int(max_batch), grid.max_batch))] * len(self.buckets)
+        self.level_max_batch = tuple(per_level)
+        self.max_batch = max(per_level)
         self._batch_sizes = tuple(b for b in grid.batch_sizes if b <= self.max_batch) or (grid.batch_sizes[0],)
+        self._level_sizes = [tuple(b for b in grid.batch_sizes if b <= mb) or (grid.batch_sizes[0],)
+                             for mb in per_level]
+        self.shared = bool(shared_runtimes)
         self.slo = float(slo)
         if allocator is None:
-            curves = [LatencyCurve(profile, s, self.max_batch) for s in self.buckets]
-            allocator = RuntimeScheduler(
-                self.buckets,
-                curves,
-                slo,
-                period=period,
-                window=window,
-                solver=solver,
-                hysteresis=hysteresis,
-                warmup=min(warmup, period),
-                headroom=headroom,
-            )
+            curves = [LatencyCurve(profile, s, mb) for s, mb in zip(self.buckets, per_level)]
+            common = dict(period=period, window=window, solver=solver, warmup=min(warmup, period), headroom=headroom)
+            if hysteresis is not None:
+                common["hysteresis"] = hysteresis
+            if self.shared:
+                model = GroupCostModel(profile, self.buckets, grid.batch_sizes, per_level, slo)
+                allocator = GroupScheduler(self.buckets, curves, slo, model, **common)
+            else:
+                allocator = RuntimeScheduler(self.buckets, curves, slo, **common)
         self.runtime = allocator
         if isinstance(dispatcher, str):
             if dispatcher not in DISPATCHERS:
@@ -165,8 +191,8 @@ class ArloPolicy(Policy):
             autoscaler.longest_runtime = len(self.buckets) - 1
         self.replacement_seconds = float(replacement_seconds)
         # requests one instance of each runtime runs per second at full batches: prices a switch
-        self._rate = [self.max_batch / LatencyCurve(profile, s, self.max_batch)(self.max_batch)
-                      for s in self.buckets] if self.replacement_seconds > 0 else []
+        self._rate = [mb / LatencyCurve(profile, s, mb)(mb)
+                      for s, mb in zip(self.buckets, per_level)] if self.replacement_seconds > 0 else []
         self._charged: dict[int, int] = {}  # switching instance -> load charged until it is ready
         self.redispatch_queued = bool(redispatch_queued)
         self.counters = ArloCounters()
@@ -178,7 +204,12 @@ class ArloPolicy(Policy):
         self._queued = 0
         if instances < 1:
             raise ValueError("Arlo needs at least one instance")
-        alloc = list(initial_allocation) if initial_allocation is not None else _even(instances, len(self.buckets))
+        if initial_allocation is not None:
+            alloc = list(initial_allocation)
+        elif self.shared:  # one group of every runtime (class docstring)
+            alloc = [0] * (len(self.buckets) - 1) + [instances]
+        else:
+            alloc = _even(instances, len(self.buckets))
         if len(alloc) != len(self.buckets) or sum(alloc) != instances or min(alloc) < 0:
             raise ValueError("initial_allocation needs one count >= 0 per bucket summing to instances")
         if alloc[-1] < 1:  # Eq. 7: a request of any length must have an instance that fits it
@@ -264,16 +295,21 @@ class ArloPolicy(Policy):
                 wake = min(wake, ready)
                 continue
             rt = self.dispatcher.level_of(inst)
-            k = min(len(queue), self.max_batch)
-            taken = [queue.popleft() for _ in range(k)]
+            if self.shared:
+                level, taken = self._take_own_bucket(queue)
+                own = self.dispatcher.deployed_level
+            else:
+                level, k = rt, min(len(queue), self.level_max_batch[rt])
+                taken = [queue.popleft() for _ in range(k)]
+                own = self.dispatcher.fitting_level
+            k = len(taken)
             self._queued -= k
-            own = self.dispatcher.fitting_level
             for req in taken:
                 self._running[req.id] = inst
                 if own(req.length) < rt:
                     self.counters.demotions += 1
             self.counters.served += k
-            batches.append(Batch(tuple(r.id for r in taken), self.model, self._cell_for(rt, taken), inst))
+            batches.append(Batch(tuple(r.id for r in taken), self.model, self._cell_for(level, taken), inst))
         return Plan(batches=tuple(batches), wake_at=wake)
 
     def queue_depth(self) -> int:
@@ -300,9 +336,29 @@ class ArloPolicy(Policy):
                 return True
         return False
 
+    def _take_own_bucket(self, queue: deque[Request]) -> tuple[int, list[Request]]:
+        """Runtime groups: the head of ``queue`` and the queued requests of the head's own
+        bucket after it (FIFO), up to that runtime's max batch; returns (runtime, requests)."""
+        fit = self.dispatcher.fitting_level
+        level = fit(queue[0].length)
+        limit = self.level_max_batch[level]
+        taken, rest = [], deque()
+        while queue:
+            req = queue.popleft()
+            if len(taken) < limit and fit(req.length) == level:
+                taken.append(req)
+            else:
+                rest.append(req)
+                if len(taken) >= limit:
+                    rest.extend(queue)
+                    queue.clear()
+        queue.extend(rest)
+        return level, taken
+
     def _cell_for(self, level: int, requests: Sequence[Request]) -> Cell:
-        """The executable a batch of ``requests`` runs in on an instance of runtime ``level``."""
-        return Cell(batch_size_for(len(requests), self._batch_sizes), self.buckets[level])
+        """The executable a batch of ``requests`` runs in: runtime ``level``'s bucket (the
+        instance's runtime, or in runtime groups the requests' own)."""
+        return Cell(batch_size_for(len(requests), self._level_sizes[level]), self.buckets[level])
 
     # -- observability ---------------------------------------------------------------
     def metrics(self) -> Iterable[tuple[str, dict[str, str], float]]:
@@ -395,6 +451,8 @@ class ArloPolicy(Policy):
         if realloc is None:
             return
         self.counters.reallocations += 1
+        if isinstance(self.runtime, GroupScheduler):  # the groups' capacities changed with them
+            d.set_capacity(self.runtime.capacity)
         moved = [mv for mv in realloc.moves if mv.source is not None and mv.target is not None]
         if not moved:
             return

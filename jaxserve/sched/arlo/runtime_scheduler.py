@@ -31,6 +31,7 @@ from jaxserve.sched.arlo.allocation import (
     replacement_plan,
     solve_allocation,
 )
+from jaxserve.sched.arlo.groups import GroupCostModel, group_capacity, grouping_objective, solve_groups
 from jaxserve.sched.base import bucket_for_length
 
 
@@ -175,3 +176,66 @@ class RuntimeScheduler:
             if cost <= best.objective * (1.0 + self.hysteresis) + 1e-9 * max(1.0, abs(best.objective)):
                 best = _result(problem, current, best.feasible, best.solver + "+kept")
         return Reallocation(now, demand, best, replacement_plan(assignment, best.counts, load))
+
+
+class GroupScheduler(RuntimeScheduler):
+    """The Runtime Scheduler for runtime groups (:mod:`jaxserve.sched.arlo.groups`): the same
+    window, period, warmup and driver contract as :class:`RuntimeScheduler`, but each solve
+    chooses the groups and their instances with :func:`~jaxserve.sched.arlo.groups.solve_groups`
+    from the window's request *rates* per runtime (requests per second, not per SLO window: the
+    queueing estimate needs rates). So the runtime set that has instances -- the groups' longest
+    runtimes -- is re-chosen from the observed length distribution at every period, together
+    with the allocation (§3.3 chooses the runtimes once, offline, from the staircase).
+
+    ``capacity`` (Alg. 1's ``M`` per runtime) changes with the groups; the policy hands it to
+    its dispatcher after each solve. The current allocation is kept when its estimate is within
+    ``hysteresis`` (relative, default 2 %) of the optimum, so noise in the window does not move
+    instances back and forth.
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[int],
+        latency: Sequence[Callable[[int], float]],
+        slo: float,
+        groups: GroupCostModel,
+        *,
+        hysteresis: float = 0.02,
+        **kw,
+    ) -> None:
+        super().__init__(buckets, latency, slo, hysteresis=hysteresis, **kw)
+        self.groups = groups
+        self.capacity = group_capacity(groups, [0.0] * len(buckets), [0] * (len(buckets) - 1) + [1])
+
+    def rates(self, now: float) -> tuple[float, ...]:
+        """Requests per second per runtime over the window."""
+        self._expire(now)
+        if self._first is None:
+            return (0.0,) * len(self.buckets)
+        span = min(self.window, now - self._first)
+        span = span if span > 0 else self.slo
+        return tuple(c / span for c in self._counts)
+
+    def reallocate(
+        self,
+        now: float,
+        assignment: Mapping[int, int],
+        load: Mapping[int, float] | None = None,
+    ) -> Reallocation:
+        rates = self.rates(now)
+        g = len(assignment)
+        best = solve_groups(self.groups, rates, g)
+        self.solves += 1
+        current = [0] * len(self.buckets)
+        for rt in assignment.values():
+            current[rt] += 1
+        counts = best.counts
+        if current[-1] >= 1:
+            kept = grouping_objective(self.groups, rates, current)
+            if kept <= best.objective * (1.0 + self.hysteresis) + 1e-12:
+                counts = tuple(current)
+        self.capacity = group_capacity(self.groups, rates, counts)
+        demand = demand_per_window(self._counts, max(min(self.window, now - (self._first or now)), self.slo),
+                                   self.slo)
+        alloc = Allocation(tuple(counts), grouping_objective(self.groups, rates, counts), True, "groups")
+        return Reallocation(now, demand, alloc, replacement_plan(assignment, counts, load))
