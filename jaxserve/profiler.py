@@ -12,13 +12,17 @@ cost at that shortest length. On a true staircase this lands exactly on the step
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
+from jaxserve.compile_cache import write_owner_only
+from jaxserve.polymorph import raise_if_stopped
 from jaxserve.sched.base import Cell, CostModel, LatencyProfile
 
 
@@ -119,13 +123,9 @@ def profile_table(table, weights, make_inputs: Callable[[Cell], tuple], repeats:
                   progress: bool = False, stop: Callable[[], bool] | None = None) -> LatencyProfile:
     """Latency of every warmed cell of a polymorph table, on this machine (``stop``: as
     ``PolymorphTable.warmup``'s)."""
-    from jaxserve.polymorph import raise_if_stopped
-
     cells = table.servable.grid.cells()
     it = cells
     if progress:
-        from tqdm import tqdm
-
         it = tqdm(cells, desc=f"profile {table.servable.name}", unit="cell")
     seconds = {}
     for cell in it:
@@ -136,8 +136,6 @@ def profile_table(table, weights, make_inputs: Callable[[Cell], tuple], repeats:
 
 
 def machine_description() -> str:
-    import os
-
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -153,8 +151,6 @@ def save_cost_model(path: str | Path, cost: CostModel) -> None:
     """Write ``cost`` to ``path`` as the cache writes its files: owner-only (0600; the default
     path is in the cache directory) and atomically (a server reading it meanwhile sees the
     old model or the new one, never half of one)."""
-    from jaxserve.compile_cache import write_owner_only
-
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_owner_only(Path(path), cost.to_json().encode())
 
