@@ -3,7 +3,7 @@
     nice -n 10 python -m bench.otas_profile [--rounds 7] [--write]
 
 Latency: every cell of the grid (batch 1..32 x the demo's OTAS gammas) through the serving
-runtime (``ModelRuntime.prepare_inputs`` + the AOT executable: normalisation, per-sample prompt
+runtime (``ImageRuntime.prepare_inputs`` + the AOT executable: normalisation, per-sample prompt
 and head gathering included), timed round-robin (one call per cell per round, so the shared
 machine's load drifts over all cells alike), minimum over rounds (interference from the other
 jobs on the shared cores only adds time). Accuracy: the profiling-split
