@@ -148,7 +148,21 @@ class MultiLevelDispatcher:
         runtime group (``arlo.groups``); Alg. 1 tries it first."""
         return self._next[self.fitting_level(length)]
 
+    def members(self, level: int) -> frozenset[int]:
+        """The instances of ``level``."""
+        return frozenset(self._members[level])
+
     # -- load updates ------------------------------------------------------------
+    def charge(self, instance: int, count: int = 1) -> None:
+        """``count`` more outstanding requests on ``instance`` (a runtime group's instance runs
+        requests that Alg. 1 charged to another instance of the group: ``ArloPolicy``)."""
+        key = self._key[instance] + (count << _SHIFT)
+        self._key[instance] = key
+        level = self._level[instance]
+        heappush(self._heaps[level], key)
+        if len(self._heaps[level]) > 2 * len(self._members[level]) + 16:
+            self._rebuild(level)
+
     def complete(self, instance: int, count: int = 1) -> None:
         """``count`` outstanding requests of ``instance`` finished (or left it)."""
         key = self._key.get(instance)

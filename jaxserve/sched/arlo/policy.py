@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import islice
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -66,11 +67,25 @@ class ArloPolicy(Policy):
       bucket, allocated by Eq. 1-7 (:class:`RuntimeScheduler`); the initial allocation
       is then even (remainder to the longest runtimes). Either way
       ``initial_allocation`` (instances per runtime) overrides the start.
+    * **Queues.** One runtime per instance: each instance has a FIFO queue (§3.4:
+      Alg. 1 picks the instance on arrival). Runtime groups: Alg. 1 still picks
+      the group and charges the request to the least loaded instance of it
+      (outstanding load, Fig. 5), but the request waits in the group's FIFO for
+      its runtime, and whichever instance of the group is idle first runs it (the
+      charge moves with it). Ours: late binding inside a group, so a burst is
+      never stuck behind one instance while another of the group is idle; the
+      paper's per-instance queues cannot share a request between instances of
+      different GPUs, ours share every executable.
     * **Max batch**: ``max_batch=None`` (default) takes each runtime's from the
       profile (:func:`~jaxserve.sched.arlo.groups.profile_max_batch`: the largest
       grid batch within half the SLO); an integer fixes it for every runtime (the
       paper's §5 uses 1). A batch takes the queue's head and, in runtime groups,
-      the queued requests of the head's bucket, up to that runtime's max batch.
+      the queued requests of the head's bucket (the oldest head of the group's
+      runtimes goes first), up to that runtime's max batch; rows the batch size
+      pads are filled with the oldest requests of shorter runtimes, and the batch
+      grows to the next batch size with them while that costs no more than
+      running them apart and the head still makes the SLO (the default deadline
+      batching's merge rule).
     * ``on_arrival`` records the length for the runtime scheduler and dispatches the
       request to an instance with the request scheduler (``dispatcher``: ``"arlo"``
       = Alg. 1, ``"ilb"``, ``"ig"``); each instance has a FIFO queue.
@@ -202,6 +217,13 @@ class ArloPolicy(Policy):
         self._arrival: dict[int, float] = {}
         self._pending: deque[Request] = deque()
         self._queued = 0
+        # runtime groups: one FIFO per (group, runtime), shared by the group's instances, and the
+        # instance Alg. 1 charged each queued request to (class docstring)
+        self._profile = profile
+        self._latency_cache: dict[tuple[int, int], float] = {}
+        self._group_queues: dict[int, list[deque[Request]]] = {}
+        self._group_count: dict[int, int] = {}
+        self._owner: dict[int, int] = {}
         if instances < 1:
             raise ValueError("Arlo needs at least one instance")
         if initial_allocation is not None:
@@ -248,9 +270,12 @@ class ArloPolicy(Policy):
         queue = self._queues.pop(instance)
         self._ready_at.pop(instance, None)
         self._charged.pop(instance, None)
+        # runtime groups: the group may lose its last instance, so every queued request goes again
+        displaced = self._unqueue_groups() if self.shared else list(queue)
         self.dispatcher.remove_instance(instance)
         self._queued -= len(queue)
-        self._redispatch(queue)
+        displaced.sort(key=lambda r: (r.arrival, r.id))
+        self._redispatch(displaced)
 
     # -- Policy hooks --------------------------------------------------------------
     def on_arrival(self, request: Request, now: float) -> None:
@@ -286,18 +311,30 @@ class ArloPolicy(Policy):
         batches = []
         wake = _INF
         queues = self._queues
+        d = self.dispatcher
         for inst in idle_instances:
             queue = queues.get(inst)
-            if not queue:
+            if queue is None:
+                continue
+            if self.shared:
+                rt = d.level_of(inst)
+                if not self._group_count.get(rt):
+                    continue
+            elif not queue:
                 continue
             ready = self._ready_at[inst]
             if ready > now:
                 wake = min(wake, ready)
                 continue
-            rt = self.dispatcher.level_of(inst)
+            rt = d.level_of(inst)
             if self.shared:
-                level, taken = self._take_own_bucket(queue)
-                own = self.dispatcher.deployed_level
+                level, taken = self._take_group_batch(rt, now)
+                for req in taken:  # the charge moves to the instance that runs it
+                    owner = self._owner.pop(req.id)
+                    if owner != inst:
+                        d.complete(owner, 1)
+                        d.charge(inst, 1)
+                own = d.deployed_level
             else:
                 level, k = rt, min(len(queue), self.level_max_batch[rt])
                 taken = [queue.popleft() for _ in range(k)]
@@ -329,6 +366,17 @@ class ArloPolicy(Policy):
                     self._arrival.pop(request_id, None)
                     self.counters.withdrawn += 1
                     return True
+        for level, qs in self._group_queues.items():
+            for q in qs:
+                for r in q:
+                    if r.id == request_id:
+                        q.remove(r)
+                        self._queued -= 1
+                        self._group_count[level] -= 1
+                        self.dispatcher.complete(self._owner.pop(request_id), 1)
+                        self._arrival.pop(request_id, None)
+                        self.counters.withdrawn += 1
+                        return True
         for r in self._pending:
             if r.id == request_id:
                 self._pending.remove(r)
@@ -336,24 +384,76 @@ class ArloPolicy(Policy):
                 return True
         return False
 
-    def _take_own_bucket(self, queue: deque[Request]) -> tuple[int, list[Request]]:
-        """Runtime groups: the head of ``queue`` and the queued requests of the head's own
-        bucket after it (FIFO), up to that runtime's max batch; returns (runtime, requests)."""
-        fit = self.dispatcher.fitting_level
-        level = fit(queue[0].length)
-        limit = self.level_max_batch[level]
-        taken, rest = [], deque()
-        while queue:
-            req = queue.popleft()
-            if len(taken) < limit and fit(req.length) == level:
-                taken.append(req)
-            else:
-                rest.append(req)
-                if len(taken) >= limit:
-                    rest.extend(queue)
-                    queue.clear()
-        queue.extend(rest)
+    def _take_group_batch(self, group: int, now: float) -> tuple[int, list[Request]]:
+        """Runtime groups: the next batch of ``group``'s queues (class docstring, *Max batch*);
+        returns (runtime it runs in, requests). The group holds at least one request."""
+        qs = self._group_queues[group]
+        level = min((q[0].arrival, q[0].id, j) for j, q in enumerate(qs) if q)[2]
+        limit, sizes, seq = self.level_max_batch[level], self._level_sizes[level], self.buckets[level]
+        q = qs[level]
+        taken = [q.popleft() for _ in range(min(len(q), limit))]
+        shorter = [x for x in qs[:level] if x]
+        size = batch_size_for(len(taken), sizes)
+        while shorter:
+            # fill the padded rows (free), then grow one batch size while it pays
+            need = size - len(taken)
+            if need <= 0:
+                bigger = [b for b in sizes if b > size]
+                if not bigger:
+                    break
+                nxt = bigger[0]
+                t_now, t_next = self._latency(size, seq), self._latency(nxt, seq)
+                if now + t_next > taken[0].arrival + self.slo:
+                    break
+                picks = self._oldest(shorter, nxt - len(taken))
+                own = max(self.dispatcher.fitting_level(r.length) for r in picks)
+                alone = self._latency(batch_size_for(len(picks), self._level_sizes[own]), self.buckets[own])
+                if t_next - t_now > alone:
+                    break
+                size = nxt
+                need = nxt - len(taken)
+            picks = self._oldest(shorter, need)
+            if not picks:
+                break
+            for r in picks:
+                qs[self.dispatcher.fitting_level(r.length)].popleft()
+            taken.extend(picks)
+            shorter = [x for x in shorter if x]
+        self._group_count[group] -= len(taken)
         return level, taken
+
+    @staticmethod
+    def _oldest(queues: list[deque[Request]], n: int) -> list[Request]:
+        """The ``n`` oldest requests at the heads of ``queues`` (each a FIFO), oldest first."""
+        picks = sorted((r for q in queues for r in islice(q, n)), key=lambda r: (r.arrival, r.id))
+        return picks[:n]
+
+    def _latency(self, batch: int, seq: int) -> float:
+        t = self._latency_cache.get((batch, seq))
+        if t is None:
+            t = self._latency_cache[(batch, seq)] = self._profile.latency_for(batch, seq)
+        return t
+
+    def _group_queue(self, level: int) -> list[deque[Request]]:
+        qs = self._group_queues.get(level)
+        if qs is None:
+            qs = self._group_queues[level] = [deque() for _ in self.buckets]
+            self._group_count[level] = 0
+        return qs
+
+    def _unqueue_groups(self) -> list[Request]:
+        """Take every request out of the group queues, uncharging their instances."""
+        out: list[Request] = []
+        d = self.dispatcher
+        for level, qs in self._group_queues.items():
+            for q in qs:
+                for req in q:
+                    d.complete(self._owner.pop(req.id), 1)
+                out.extend(q)
+                q.clear()
+            self._group_count[level] = 0
+        self._queued -= len(out)
+        return out
 
     def _cell_for(self, level: int, requests: Sequence[Request]) -> Cell:
         """The executable a batch of ``requests`` runs in: runtime ``level``'s bucket (the
@@ -409,30 +509,44 @@ class ArloPolicy(Policy):
         self.instance_log.append((now, len(self._queues)))
 
     # -- internals -------------------------------------------------------------------
+    def _enqueue(self, inst: int, request: Request) -> deque[Request]:
+        """Queue ``request``, charged to ``inst``: on ``inst``'s FIFO, or on its group's FIFO
+        for the request's runtime (runtime groups). Returns that FIFO."""
+        self._queued += 1
+        if not self.shared:
+            q = self._queues[inst]
+        else:
+            d = self.dispatcher
+            level = d.level_of(inst)
+            q = self._group_queue(level)[d.fitting_level(request.length)]
+            self._group_count[level] += 1
+            self._owner[request.id] = inst
+        q.append(request)
+        return q
+
     def _place(self, request: Request) -> int | None:
         inst = self.dispatcher.dispatch(request.length)
         if inst is None:
             self._pending.append(request)
             return None
-        self._queues[inst].append(request)
+        self._enqueue(inst, request)
         self._arrival[request.id] = request.arrival
-        self._queued += 1
         return inst
 
     def _redispatch(self, requests: Iterable[Request]) -> None:
-        touched = set()
+        touched: dict[int, deque[Request]] = {}
         for req in requests:
             self.counters.redispatched += 1
             inst = self.dispatcher.dispatch(req.length)
             if inst is None:
                 self._pending.append(req)
                 continue
-            self._queues[inst].append(req)
-            self._queued += 1
-            touched.add(inst)
-        for inst in touched:  # keep every queue FIFO by arrival
-            q = self._queues[inst]
-            self._queues[inst] = deque(sorted(q, key=lambda r: (r.arrival, r.id)))
+            q = self._enqueue(inst, req)
+            touched[id(q)] = q
+        for q in touched.values():  # keep every queue FIFO by arrival
+            items = sorted(q, key=lambda r: (r.arrival, r.id))
+            q.clear()
+            q.extend(items)
 
     def _drain_pending(self) -> None:
         if self._pending:
@@ -458,7 +572,7 @@ class ArloPolicy(Policy):
             return
         self.counters.allocation_changes += 1
         self.counters.instances_moved += len(moved)
-        displaced: list[Request] = []
+        displaced: list[Request] = self._unqueue_groups() if self.shared else []
         for mv in moved:
             queue = self._queues[mv.instance]
             load = d.load(mv.instance) - len(queue) - self._charged.pop(mv.instance, 0)
