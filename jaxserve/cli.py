@@ -264,7 +264,18 @@ def cmd_serve(args) -> int:
         **_served(args), extra=_otas_extra(args),
         slo_ms=args.slo_ms, arlo_period_s=args.arlo_period_s, arlo_max_batch=args.arlo_max_batch,
         dt_penalty=args.dt_penalty, arlo_autoscale_from=args.arlo_autoscale_from,
+        workers=args.workers, ray_address=args.ray_address, worker_cpus=args.worker_cpus,
+        worker_gpus=args.worker_gpus,
     )
+    if args.workers == "ray" and args.policy == "dt":
+        raise CliError("--policy dt emulates dynamic shapes inside the server's own runtime: use --workers thread")
+    if args.ray_address is not None and args.workers != "ray":
+        raise CliError("--ray-address is for --workers ray")
+    if args.workers == "ray":
+        try:
+            import ray  # noqa: F401  (the optional extra; checked before binding and warming)
+        except ImportError:
+            raise CliError("--workers ray needs Ray: pip install 'jaxserve[ray]'") from None
     serve(settings, host=args.host, port=args.port, access_log=args.access_log)
     return 0
 
@@ -500,8 +511,17 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--policy", default="default", choices=SERVE_POLICIES,
                     help="default: deadline-aware batching; text (one model): arlo and its baselines st, dt, "
                          "infaas; images (one model): otas and its baselines pets, tome, vpt")
-    sp.add_argument("--instances", type=POSITIVE_INT, default=2,
-                    help="executor workers (default 2: measured in bench/RESULTS.md, load)")
+    sp.add_argument("--instances", "--num-workers", dest="instances", type=POSITIVE_INT, default=2,
+                    help="workers that run steps (default 2: measured in bench/RESULTS.md, load)")
+    sp.add_argument("--workers", choices=("thread", "ray"), default="thread",
+                    help="thread: workers are threads of this process (default); ray: each worker is a Ray "
+                         "actor (pip install 'jaxserve[ray]'), loading its executables from the compile cache "
+                         "on its own node")
+    sp.add_argument("--ray-address", default=None,
+                    help="ray: 'auto' or HOST:PORT joins a running cluster (ray start --head); unset: start a "
+                         "local Ray")
+    sp.add_argument("--worker-cpus", type=POSITIVE, default=1.0, help="ray: CPUs each worker actor asks for")
+    sp.add_argument("--worker-gpus", action="store_true", help="ray: each worker actor owns one GPU")
     sp.add_argument("--max-queue", type=POSITIVE_INT, default=256)
     sp.add_argument("--max-wait-ms", type=NON_NEGATIVE, default=0.0)
     sp.add_argument("--access-log", action="store_true",

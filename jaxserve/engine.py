@@ -125,7 +125,9 @@ class EngineStats:
     worker_restarts: int = 0
     retries: int = 0
     steps: int = 0  # steps run, final or not (batches counts the final ones too)
-    stage_loads: list[tuple[str, int, float]] = field(default_factory=list)  # (stage label, worker, seconds)
+    # the last stage loads (placement changes): (stage label, worker, seconds); stage_load_count counts all
+    stage_loads: deque = field(default_factory=lambda: deque(maxlen=1000))
+    stage_load_count: int = 0
     placement_failures: int = 0
     # called on the loop thread after each successful step: (batch, output, pendings, seconds since start)
     observers: list[Callable[[Batch, StepOutput, list[_Pending], float], None]] = field(default_factory=list)
@@ -255,6 +257,7 @@ class Engine:
             seconds = f.result() if ok else self.clock() - t0
             if ok:
                 self.stats.stage_loads.append((change.stage.label(), wid, float(seconds)))
+                self.stats.stage_load_count += 1
             else:
                 self.stats.placement_failures += 1
                 log.error("loading %s on worker %d failed: %s", change.stage.label(), wid, f.exception())

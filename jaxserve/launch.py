@@ -22,7 +22,7 @@ import jax
 
 from jaxserve import registry
 from jaxserve.compile_cache import CompileCache, compile_count
-from jaxserve.engine import Engine
+from jaxserve.engine import Engine, whole_stage
 from jaxserve.polymorph import raise_if_stopped
 from jaxserve.profiler import load_cost_model, machine_description, profile_table, save_cost_model
 from jaxserve.runtime import ModelRuntime, TaskHead, TextRuntime
@@ -72,6 +72,11 @@ class ServeSettings:
     arlo_max_batch: int | None = None  # requests per batch; None: arlo from the profile, st/dt/infaas 1 (paper)
     dt_penalty: float | None = None  # DT's dynamic-shape slowdown; None: baselines.DEFAULT_DT_PENALTY
     arlo_autoscale_from: int | None = None  # arlo: start this many of `instances` slots, target-tracking scaling
+    # where steps run: "thread" (in-process workers) or "ray" (one Ray actor per worker; jaxserve[ray])
+    workers: str = "thread"
+    ray_address: str | None = None  # ray: None starts a local Ray; "auto" or HOST:PORT joins a cluster
+    worker_cpus: float = 1.0  # ray: CPUs each actor asks for
+    worker_gpus: bool = False  # ray: each actor owns one GPU
 
 
 def load_runtimes(settings: ServeSettings, cache: CompileCache | None,
@@ -258,7 +263,8 @@ def reload_assets(engine: Engine, settings: ServeSettings) -> dict:
     returned report then holds ``"then"``: the policy's switch, which the caller runs on the
     event loop (the engine's thread, the only one that touches the policy), right after
     the runtime's switch. A profile the server was given with --cost-model describes the
-    prompts it started with, so a reload under it is refused."""
+    prompts it started with, so a reload under it is refused. Workers in other processes (Ray
+    actors) then re-read the same files on their own nodes."""
     before = compile_count()
     fresh = {name: rt.read_assets() for name, rt in engine.runtimes.items() if rt.read_assets is not None}
     for name, (heads, prompts, _) in fresh.items():
@@ -279,6 +285,8 @@ def reload_assets(engine: Engine, settings: ServeSettings) -> dict:
     for name, (heads, prompts, accuracy) in fresh.items():
         added = engine.runtimes[name].swap_assets(heads, prompts, accuracy)
         models[name] = {"tasks": sorted(heads), "added": added}
+    for future in [w.reload_assets() for w in engine.workers.values()]:  # workers in other processes
+        future.result(timeout=120)
     log.info("reloaded task assets: %s", "; ".join(f"{n}: {', '.join(m['tasks'])}" for n, m in models.items()))
     report = {"models": models, "compilations": compile_count() - before}
     if then is not None:
@@ -296,8 +304,37 @@ def build_engine(settings: ServeSettings, stop: Callable[[], bool] | None = None
         default_cost_model_path(settings.cache_dir, settings.precision) if settings.cache_dir else None)
     cost = price_cells(runtimes, cost_path, settings.progress, stop)
     policy = make_policy(settings, runtimes, cost)
+    workers, factory = make_workers(settings, runtimes)
     return Engine(engine_runtimes(policy, runtimes), policy, instances=settings.instances,
-                  max_queue=settings.max_queue, default_slo_ms=settings.slo_ms)
+                  max_queue=settings.max_queue, default_slo_ms=settings.slo_ms, workers=workers,
+                  worker_factory=factory)
+
+
+def make_workers(settings: ServeSettings, runtimes: dict[str, ModelRuntime]):
+    """The engine's workers and its factory for new ones: (None, None) for thread workers
+    (the engine's default: ``instances`` threads, each holding every model whole); for
+    ``settings.workers == "ray"``, one Ray actor per instance, each holding every model
+    whole and loading it from the compile cache on its own node (jaxserve.ray_workers).
+
+    With Ray workers the driver keeps its own warmed runtimes too: it prices the cells (the
+    cost model), tokenizes and checks inputs, and reloads assets; steps run in the actors."""
+    if settings.workers == "thread":
+        return None, None
+    if settings.workers != "ray":
+        raise ValueError(f"unknown workers {settings.workers!r}; known: thread, ray")
+    if settings.policy == "dt":
+        raise ValueError("--policy dt emulates dynamic shapes inside the server's own runtime; "
+                         "it runs with thread workers only")
+    from jaxserve.ray_workers import make_ray_workers  # optional extra: jaxserve[ray]
+
+    wholes = tuple(whole_stage(name, rt) for name, rt in runtimes.items())
+    ray_options = dict(address=settings.ray_address, worker_cpus=settings.worker_cpus, gpus=settings.worker_gpus)
+    workers = make_ray_workers(settings, settings.instances, lambda i: wholes, **ray_options)
+
+    def factory(worker_id: int):
+        return make_ray_workers(settings, 1, lambda i: (), first_id=worker_id, **ray_options)[0]
+
+    return workers, factory
 
 
 GC_THRESHOLDS = (50_000, 20, 100)

@@ -180,6 +180,13 @@ class StageHost:
             self._parents.pop(stage.model, None)  # its weights and executables are freed
         return self.report()
 
+    def reload_assets(self) -> None:
+        """Swap in each held model's task assets, re-read from this node's files (what the
+        driver checked and swapped in its own process a moment before)."""
+        for rt in self._parents.values():
+            if rt.read_assets is not None:
+                rt.swap_assets(*rt.read_assets())
+
     def report(self) -> HostReport:
         from jaxserve.compile_cache import compile_count
         from jaxserve.workers import runner_executables, runner_param_bytes
@@ -220,6 +227,7 @@ _HostActor = ray.remote(StageHost)
 
 
 class RayWorker(Worker):
+    kind = "ray"
     """A worker whose stages live in a Ray actor (:class:`StageHost`).
 
     ``ready`` is a future of the seconds from asking for the actor to its report (process
@@ -312,8 +320,10 @@ class RayWorker(Worker):
 
     def holdings(self) -> Holdings:
         with self._state:
-            held = dict(self._report.stages) if self._report is not None else {}
-        return Holdings(frozenset(held), sum(b for b, _ in held.values()), sum(e for _, e in held.values()))
+            report = self._report
+        held = dict(report.stages) if report is not None else {}
+        return Holdings(frozenset(held), sum(b for b, _ in held.values()), sum(e for _, e in held.values()),
+                        None if report is None else report.compilations)
 
     def load(self, stage: Stage) -> Future:
         with self._state:
@@ -348,6 +358,11 @@ class RayWorker(Worker):
                 self._report = HostReport(stages, self._report.pid, self._report.node, self._report.compilations)
             generation, ref = self._generation, self._actor.unload.remote(stage)
         self._future(ref, generation, lambda report: self._take(report, generation))
+
+    def reload_assets(self) -> Future:
+        with self._state:
+            generation, ref = self._generation, self._actor.reload_assets.remote()
+        return self._future(ref, generation, lambda _: None)
 
     def restart(self) -> Future:
         """Kill the actor (its queued steps fail with WorkerDied) and start a new one
@@ -419,6 +434,20 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None,
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
 
 
+def ray_worker_factory(settings: Any, worker_cpus: float = 1, gpus: bool = False) -> Callable[..., RayWorker]:
+    """``factory(worker_id, stages=())``: a new :class:`RayWorker` for ``settings`` (Ray must
+    be started: :func:`ensure_ray`); what the engine calls to add a worker at run time.
+    ``gpus``: one GPU per actor (ValueError now if the cluster has none)."""
+    if gpus and ray.cluster_resources().get("GPU", 0) < 1:
+        raise ValueError("GPU workers asked for, but the Ray cluster has no GPU")
+    spec = WorkerSpec.from_settings(settings)
+
+    def factory(worker_id: int, stages: Sequence[Stage] = ()) -> RayWorker:
+        return RayWorker(worker_id, spec, stages, num_cpus=worker_cpus, num_gpus=1 if gpus else 0)
+
+    return factory
+
+
 def make_ray_workers(settings: Any, n: int, stages_for_worker: Callable[[int], Sequence[Stage]] | Sequence,
                      address: str | None = None, worker_cpus: float = 1, gpus: bool = False,
                      first_id: int = 0, wait: bool = True) -> list[RayWorker]:
@@ -431,14 +460,8 @@ def make_ray_workers(settings: Any, n: int, stages_for_worker: Callable[[int], S
     ready (if one fails, all are closed and its error raised)."""
     stages_of = stages_for_worker if callable(stages_for_worker) else stages_for_worker.__getitem__
     ensure_ray(address, num_cpus=max(os.cpu_count() or 1, int(n * worker_cpus + 0.999)) if address is None else None)
-    num_gpus = 0
-    if gpus:
-        if ray.cluster_resources().get("GPU", 0) < 1:
-            raise ValueError("GPU workers asked for, but the Ray cluster has no GPU")
-        num_gpus = 1
-    spec = WorkerSpec.from_settings(settings)
-    workers = [RayWorker(first_id + i, spec, tuple(stages_of(i)), num_cpus=worker_cpus, num_gpus=num_gpus)
-               for i in range(n)]
+    factory = ray_worker_factory(settings, worker_cpus, gpus)
+    workers = [factory(first_id + i, tuple(stages_of(i))) for i in range(n)]
     if wait:
         try:
             for worker in workers:

@@ -57,11 +57,14 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class Holdings:
-    """What a worker holds: its stages, their parameter bytes and warmed executables."""
+    """What a worker holds: its stages, their parameter bytes and warmed executables, and
+    (a worker in its own process) the compilations its process made, as of its last load
+    (None: it shares the driver's process, whose count is the driver's)."""
 
     stages: frozenset[Stage]
     param_bytes: int
     executables: int
+    compilations: int | None = None
 
 
 class WorkerDied(RuntimeError):
@@ -111,6 +114,8 @@ def run_step(runner: Any, step: Step) -> StepOutput:
 class Worker(ABC):
     """One worker: holds stages, runs steps one at a time, in submission order."""
 
+    kind = "worker"  # what /metrics calls it ("thread", "ray")
+
     def __init__(self, worker_id: int):
         self.id = worker_id
         self._busy = 0.0
@@ -144,6 +149,15 @@ class Worker(ABC):
     def close(self) -> None:
         """Release the worker; nothing may be submitted afterwards."""
 
+    def reload_assets(self) -> Future:
+        """Re-read the task assets (heads, prompts) of the models it holds from where they
+        were loaded, as the driver just did (``jaxserve.launch.reload_assets``); resolves
+        when they serve. Default: done at once (an in-process worker shares the driver's
+        runtimes, so the driver's swap is already its own)."""
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
     @property
     def alive(self) -> bool:
         return True
@@ -173,6 +187,8 @@ class ThreadWorker(Worker):
     it. XLA releases the GIL while it computes, so thread workers compute in parallel
     and the event loop never blocks.
     """
+
+    kind = "thread"
 
     def __init__(self, worker_id: int, catalog: Callable[[Stage], Any], stages: Sequence[Stage] = ()):
         super().__init__(worker_id)

@@ -60,10 +60,44 @@ class _EngineCollector:
         g = GaugeMetricFamily("jaxserve_worker_restarts", "executor worker restarts after failed batches")
         g.add_metric([], eng.stats.worker_restarts)
         yield g
+        yield from _worker_metrics(eng)
         for name, labels, value in eng.policy.metrics():
             g = GaugeMetricFamily(f"jaxserve_policy_{name}", f"policy counter {name}", labels=list(labels))
             g.add_metric(list(labels.values()), value)
             yield g
+
+
+def _worker_metrics(eng):
+    """The workers, what each holds, how long each has computed, and the stage loads."""
+    busy = GaugeMetricFamily("jaxserve_worker_busy_seconds", "seconds each worker has spent running steps",
+                             labels=["worker", "kind"])
+    held = GaugeMetricFamily("jaxserve_worker_param_bytes", "parameter bytes each worker holds", labels=["worker"])
+    stages = GaugeMetricFamily("jaxserve_worker_stage", "1 for each (worker, stage) it holds; the placement",
+                               labels=["worker", "stage"])
+    compiles = GaugeMetricFamily("jaxserve_worker_compilations", "XLA compilations in a worker's own process "
+                                 "(Ray actors; as of its last load: 0 when its node's cache was warm)",
+                                 labels=["worker"])
+    for wid, worker in sorted(eng.workers.items()):
+        h = worker.holdings()
+        busy.add_metric([str(wid), worker.kind], worker.busy_seconds)
+        held.add_metric([str(wid)], h.param_bytes)
+        for stage in sorted(h.stages):
+            stages.add_metric([str(wid), stage.label()], 1)
+        if h.compilations is not None:
+            compiles.add_metric([str(wid)], h.compilations)
+    yield from (busy, held, stages, compiles)
+    loads = GaugeMetricFamily("jaxserve_stage_load_seconds", "time of the last load of each stage on each worker "
+                              "(a placement change: parameters and executables)", labels=["stage", "worker"])
+    last = {(label, wid): seconds for label, wid, seconds in eng.stats.stage_loads}
+    for (label, wid), seconds in sorted(last.items()):
+        loads.add_metric([label, str(wid)], seconds)
+    yield loads
+    g = GaugeMetricFamily("jaxserve_stage_loads", "stage loads carried out (placement changes)")
+    g.add_metric([], eng.stats.stage_load_count)
+    yield g
+    g = GaugeMetricFamily("jaxserve_steps", "steps run (a request of several steps counts each)")
+    g.add_metric([], eng.stats.steps)
+    yield g
 
 
 class Metrics:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import base64
 import concurrent.futures as cf
 import contextlib
+import dataclasses
 import io
 import json
+import os
 import socket
 import ssl
 import threading
@@ -32,8 +34,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Where the servers these tests start run their steps: "thread" (the default) or "ray"
+# (`make test` runs the HTTP tests a second time with JAXSERVE_TEST_WORKERS=ray)
+TEST_WORKERS = os.environ.get("JAXSERVE_TEST_WORKERS", "thread")
+
+
 class LiveServer:
     def __init__(self, settings: ServeSettings):
+        if settings.workers == "thread" and TEST_WORKERS != "thread" and settings.policy != "dt":
+            settings = dataclasses.replace(settings, workers=TEST_WORKERS)
         self.port = free_port()
         self.app = build_app(settings)
         self.server = uvicorn.Server(uvicorn_config(self.app, port=self.port, log_level="warning"))
