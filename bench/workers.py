@@ -5,7 +5,14 @@ and drives MiniLM executables from ``workers`` threads at once, as the engine's
 workers do, for a fixed time. Reported: throughput (sentences/s) and per-batch
 latency, at batch 1 and batch 8 (bucket 32, the median tweet's bucket).
 
-    python -m bench.workers [--seconds 8] [--write]
+Section "ray" (``--section ray``): the same MiniLM executable (real weights, batch 8,
+length 64) behind 2 thread workers and behind 2 Ray actors, XLA at one intra-op thread
+in each (the thread setup's process and every actor alike), from one run: throughput, Ray's
+per-step overhead (a b1 x 16 step's round trip against the same step in-process), transfer
+time per MB between actors (hidden-state-sized arrays and larger, through the object store)
+and the time a new actor takes to be ready (serialized executables and weights).
+
+    python -m bench.workers [--seconds 8] [--section all|threads|ray] [--write]
 """
 
 from __future__ import annotations
@@ -64,14 +71,210 @@ def child(workers: int, batch: int, seconds: float) -> None:
                       "p98_ms": float(np.percentile(lat, 98) * 1e3)}))
 
 
+# ------------------------------------------------------------------ Ray actors against threads
+ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+HIDDEN_BYTES = 8 * 64 * 384 * 4  # MiniLM's hidden states [8, 64, 384] float32: what a stage hands on
+
+
+def _drive(workers, step, seconds: float, depth: int) -> float:
+    """Items/s with one driver thread per worker keeping ``depth`` steps submitted to it."""
+    from collections import deque
+
+    done = [0] * len(workers)
+    stop = time.perf_counter() + seconds
+
+    def loop(i, worker):
+        pending = deque()
+        while time.perf_counter() < stop:
+            while len(pending) < depth:
+                pending.append(worker.submit(step))
+            pending.popleft().result()
+            done[i] += 1
+        for f in pending:
+            f.result()
+            done[i] += 1
+
+    threads = [threading.Thread(target=loop, args=(i, w)) for i, w in enumerate(workers)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(done) * step.cell.batch / (time.perf_counter() - t0)
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _paired_seconds(first, second, repeats: int) -> tuple[float, float, float]:
+    """Medians of ``first()`` and ``second()`` timed alternately, and the median of their
+    paired differences (second - first): a load that shifts while it runs hits both."""
+    for _ in range(3):
+        first(), second()
+    a, b = [], []
+    for _ in range(repeats):
+        for fn, times in ((first, a), (second, b)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return float(np.median(a)), float(np.median(b)), float(np.median(np.array(b) - np.array(a)))
+
+
+def _gone(pid: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
+def ray_measure(seconds: float, rounds: int) -> dict:
+    """Every number of the ray section, from this process: a local Ray first (before JAX
+    starts here), then the thread workers' runtime loaded into a fresh cache (which the actors
+    then load from), then ``rounds`` interleaved rounds of threads and actors."""
+    import shutil
+    import tempfile
+
+    import ray
+
+    from jaxserve.compile_cache import CompileCache
+    from jaxserve.launch import ServeSettings, load_runtimes
+    from jaxserve.ray_workers import RayWorker, WorkerSpec, ensure_ray, make_ray_workers
+    from jaxserve.sched.base import Cell, ShapeGrid, Stage
+    from jaxserve.workers import Step, ThreadWorker
+
+    ensure_ray(None, num_cpus=4)  # logical CPUs: actors asking one each never wait for a slot
+    cache = tempfile.mkdtemp(prefix="jaxserve-bench-ray-")
+    try:
+        settings = ServeSettings(models=("minilm-l6",), cache_dir=cache, progress=False,
+                                 text_grid=ShapeGrid((1, 8), (16, 64)))
+        rt = load_runtimes(settings, CompileCache(cache))["minilm-l6"]  # compiles, fills the cache
+        stage = Stage("minilm-l6", 0, rt.num_layers, rt.num_layers)
+        rs = np.random.RandomState(0)
+        rows = [[101, *rs.randint(1000, 30000, 62).tolist(), 102] for _ in range(8)]
+        big = Step(stage, Cell(8, 64), tuple(rows), ("",) * 8)
+        tiny = Step(stage, Cell(1, 16), ([101, *range(2000, 2014), 102],), ("",))
+        threads = [ThreadWorker(i, lambda s: rt, [stage]) for i in range(2)]
+        t0 = time.perf_counter()
+        actors = make_ray_workers(settings, 2, lambda i: [stage])
+        two_ready = time.perf_counter() - t0
+        for w in threads + actors:
+            w.submit(big).result()
+        out = {"threads": [], "ray": [], "ray_depth2": [], "two_actors_ready_s": two_ready}
+        setups = [("threads", threads, 1), ("ray", actors, 1), ("ray_depth2", actors, 2)]
+        for i in range(rounds):  # rotated, so no setup always follows the same one
+            for key, workers, depth in setups[i % 3:] + setups[:i % 3]:
+                out[key].append(_drive(workers, big, seconds, depth))
+        out["tiny_thread_s"], out["tiny_ray_s"], out["tiny_overhead_s"] = _paired_seconds(
+            lambda: threads[0].submit(tiny).result(), lambda: actors[0].submit(tiny).result(), 300)
+        a, b = actors[0].actor, actors[1].actor
+        out["actor_call_s"] = _median_seconds(lambda: ray.get(a.echo.remote(None)), 300)
+        hops = {}
+        for nbytes in (8, HIDDEN_BYTES, 4 * HIDDEN_BYTES, 16 * HIDDEN_BYTES, 64 * HIDDEN_BYTES):
+            ref = ray.put(np.random.default_rng(0).random(nbytes // 4, dtype=np.float32))
+            hops[nbytes] = _median_seconds(lambda: ray.get(b.nbytes.remote(a.echo.remote(ref))), 20)
+            del ref
+        out["hops"] = hops
+        out["compilations"] = [w.compilations() for w in actors]
+        pids = [w.pid() for w in actors]
+        for w in actors + threads:
+            w.close()
+        for pid in pids:
+            _gone(pid)
+        spec = WorkerSpec.from_settings(settings)
+        fresh = RayWorker(10, spec, [stage])
+        out["new_actor_ready_s"] = fresh.ready.result()
+        out["new_actor_compilations"] = fresh.compilations()
+        pid = fresh.pid()
+        fresh.close()
+        _gone(pid)
+        empty = RayWorker(11, spec, [])
+        out["empty_actor_ready_s"] = empty.ready.result()
+        out["load_in_actor_s"] = empty.load(stage).result()
+        empty.close()
+        return out
+    finally:
+        ray.shutdown()
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def ray_section(seconds: float, rounds: int, write: bool) -> None:
+    if "jax" in sys.modules:
+        raise RuntimeError("the ray section sets XLA_FLAGS before JAX starts: run it first")
+    os.environ["XLA_FLAGS"] = ONE_THREAD  # this process's thread workers and, passed on, every actor
+    load_before = os.getloadavg()[0]
+    r = ray_measure(seconds, rounds)
+    load_after = os.getloadavg()[0]
+    thr, ray_, ray2 = (float(np.median(r[k])) for k in ("threads", "ray", "ray_depth2"))
+    ratio = {k: float(np.median(np.array(r[k]) / np.array(r["threads"]))) for k in ("ray", "ray_depth2")}
+    sizes = sorted(r["hops"])
+    mb = np.array(sizes) / 2**20
+    per_mb, intercept = np.polyfit(mb, np.array([r["hops"][n] for n in sizes]), 1)
+    hidden = r["hops"][HIDDEN_BYTES] - r["hops"][sizes[0]]
+    spread = lambda k: "–".join(f"{x:.0f}" for x in (min(r[k]), max(r[k])))  # noqa: E731
+    rows = [
+        ["throughput, 2 thread workers (sentences/s)", f"{thr:.0f} ({spread('threads')})", "1.00"],
+        ["throughput, 2 Ray actors, 1 step in flight each", f"{ray_:.0f} ({spread('ray')})", f"{ratio['ray']:.2f}"],
+        ["throughput, 2 Ray actors, 2 steps in flight each", f"{ray2:.0f} ({spread('ray_depth2')})",
+         f"{ratio['ray_depth2']:.2f}"],
+        ["b1×16 step, in-process thread worker (ms)", f"{r['tiny_thread_s'] * 1e3:.2f}", ""],
+        ["b1×16 step, Ray actor (ms)", f"{r['tiny_ray_s'] * 1e3:.2f}", ""],
+        ["Ray per-step overhead (ms)", f"{r['tiny_overhead_s'] * 1e3:.2f}", ""],
+        ["empty actor call round trip (ms)", f"{r['actor_call_s'] * 1e3:.2f}", ""],
+        ["transfer between actors (ms per MB, fit over 0.75–48 MB)", f"{per_mb * 1e3:.2f}", ""],
+        [f"hidden states b8×64 ({HIDDEN_BYTES / 2**20:.2f} MB) hop, beyond an empty one (ms)",
+         f"{hidden * 1e3:.2f}", ""],
+        ["hop latency, 8-byte array (ms)", f"{r['hops'][sizes[0]] * 1e3:.2f}", ""],
+        ["new actor ready: process, imports, 4 serialized cells, weights, each cell run once (s)",
+         f"{r['new_actor_ready_s']:.2f}", ""],
+        ["… of which: an empty actor ready (process start, imports) (s)", f"{r['empty_actor_ready_s']:.2f}", ""],
+        ["… of which: loading the stage inside the actor (s)", f"{r['load_in_actor_s']:.2f}", ""],
+        ["2 actors started at once, both ready (s)", f"{r['two_actors_ready_s']:.2f}", ""],
+        ["compilations in the actors after load", f"{sum(r['compilations']) + r['new_actor_compilations']}", ""],
+    ]
+    text = table(["measure", "value", "× threads"], rows)
+    notes = (f"MiniLM-L6 (real weights), cell b8×64, XLA_FLAGS='{ONE_THREAD}' in this process's thread workers "
+             f"and in every actor (one core each; Ray logical CPUs: 1 per actor). Throughput: median of {rounds} "
+             f"rounds of {seconds:.0f} s per setup, setups interleaved in rotated order, one driver thread per "
+             "worker (range in brackets); × threads is the median of each round's ratio to that round's "
+             "threads. The per-step overhead is the median difference between a b1×16 step "
+             "through `RayWorker.submit` and the same step through `ThreadWorker.submit`, timed alternately. Transfers: actor A returns an array that "
+             "actor B takes as an argument (one copy into the object store, mapped by B on this one node); "
+             "per MB is the slope of a least-squares fit over 0.75, 3, 12 and 48 MB (plus an 8-byte array), "
+             f"intercept {intercept * 1e3:.2f} ms. New actor: `RayWorker(...).ready` with the executables "
+             "in a cache the driver filled moments before (page cache warm). Load average (1 min) "
+             f"{load_before:.1f} before, {load_after:.1f} after: the 2 cores are shared with other jobs, "
+             "so read the ratios (interleaved) rather than the absolute rates.")
+    print(text)
+    print(notes)
+    if write:
+        record("workers-ray", "Ray actors against thread workers", text, notes)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--child", nargs=3, default=None)
     ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--rounds", type=int, default=3, help="ray section: interleaved rounds")
+    ap.add_argument("--section", choices=("all", "threads", "ray"), default="all")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     if args.child:
         return child(int(args.child[0]), int(args.child[1]), float(args.child[2]))
+    if args.section in ("all", "ray"):
+        ray_section(args.seconds, args.rounds, args.write)
+    if args.section == "ray":
+        return
     rows = []
     base = {}
     for batch in (1, 8):

@@ -227,7 +227,6 @@ _HostActor = ray.remote(StageHost)
 
 
 class RayWorker(Worker):
-    kind = "ray"
     """A worker whose stages live in a Ray actor (:class:`StageHost`).
 
     ``ready`` is a future of the seconds from asking for the actor to its report (process
@@ -235,6 +234,8 @@ class RayWorker(Worker):
     once: they queue behind the load. :meth:`holdings` answers from the actor's last
     report, without a call. A step of a stage neither held nor being loaded raises KeyError.
     """
+
+    kind = "ray"
 
     def __init__(self, worker_id: int, spec: WorkerSpec, stages: Sequence[Stage] = (), *,
                  num_cpus: float = 1, num_gpus: float = 0):

@@ -91,6 +91,12 @@ def assert_same(a: StepOutput, b: StepOutput) -> None:
                 assert x[key] == y[key], key
 
 
+def same_holdings(a, b) -> bool:
+    """The same stages, parameter bytes and executables (the compile counts are per process)."""
+    x, y = a.holdings(), b.holdings()
+    return (x.stages, x.param_bytes, x.executables) == (y.stages, y.param_bytes, y.executables)
+
+
 def test_a_ray_worker_answers_as_a_thread_worker_and_holds_the_same(worker, runtimes):
     threads = ThreadWorker(0, lambda stage: runtimes[stage.model], [whole(runtimes, "minilm-l6")])
     try:
@@ -98,7 +104,7 @@ def test_a_ray_worker_answers_as_a_thread_worker_and_holds_the_same(worker, runt
         ours = worker.submit(step).result(timeout=WAIT)
         assert ours.items[0]["label"] in ("negative", "positive") and "label" not in ours.items[1]
         assert_same(ours, threads.submit(step).result(timeout=WAIT))
-        assert worker.holdings() == threads.holdings()
+        assert same_holdings(worker, threads) and worker.holdings().compilations == 0
         assert worker.holdings().executables == len(TEXT.cells()) and worker.holdings().param_bytes > 50e6
         assert worker.busy_seconds > 0
     finally:
@@ -153,7 +159,7 @@ def test_load_then_unload_a_stage(settings, runtimes, cluster):
         assert w.load(vit).result(timeout=WAIT) == 0.0  # held already
         threads = ThreadWorker(0, lambda stage: runtimes[stage.model], [vit])
         try:
-            assert w.holdings() == threads.holdings()
+            assert same_holdings(w, threads)
             assert_same(w.submit(image_step(runtimes)).result(timeout=WAIT),
                         threads.submit(image_step(runtimes)).result(timeout=WAIT))
         finally:
