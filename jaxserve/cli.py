@@ -62,6 +62,7 @@ from jaxserve.sched import IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES
 from jaxserve.sched.base import Cell, CostModel, ShapeGrid
 from jaxserve.servables import bert_servable, weights_of
 from jaxserve.simulator import simulate
+from jaxserve.stages import build_stage_runtimes, split_stages
 
 
 @contextlib.contextmanager
@@ -106,20 +107,43 @@ def cmd_warmup(args) -> int:
                              **_served(args))
     with _stop_on_ctrl_c() as stop:
         runtimes = load_runtimes(settings, cache, stop)
-    for name, rt in runtimes.items():
+        tables = {name: rt.table for name, rt in runtimes.items()}
+        for name, rt in runtimes.items():  # layer ranges, for workers that hold stages (jaxserve.stages)
+            if args.stages:
+                try:
+                    stages = split_stages(name, rt.num_layers, args.stages)
+                except ValueError as exc:
+                    raise CliError(f"--stages: {exc}") from None
+                built = build_stage_runtimes(rt, stages, cache, progress=settings.progress, tune=settings.tune,
+                                             stop=stop)
+                tables.update({stage.label(): srt.table for stage, srt in built.items()})
+    for name, table in tables.items():
         sources = {}
-        for s in rt.table.stats.values():
+        for s in table.stats.values():
             sources[s.source] = sources.get(s.source, 0) + 1
-        print(f"{name}: {len(rt.grid.cells())} executables ({', '.join(f'{n} {k}' for k, n in sources.items())})")
+        cells = len(table.servable.grid.cells())
+        print(f"{name}: {cells} executables ({', '.join(f'{n} {k}' for k, n in sources.items())})")
     for event in cache.events:
         print("cache:", event)
     if args.prune:
-        keep = set().union(*(rt.table.keys() for rt in runtimes.values()))
-        removed = cache.prune({rt.table.servable.name for rt in runtimes.values()}, keep, args.precision)
+        keep = set().union(*(table.keys() for table in tables.values()))
+        removed = cache.prune({table.servable.name for table in tables.values()}, keep, args.precision)
         print(f"pruned {removed} stale entries of {', '.join(runtimes)}")
     cache.restrict_modes()  # jax writes XLA-cache files with the umask's mode
     print(f"manifest: {Path(args.cache_dir) / 'manifest.json'}  ({time.perf_counter() - t0:.1f} s)")
     return 0
+
+
+def _layer_cuts(text: str) -> tuple[int, ...]:
+    """``--stages``: layer indices where to cut, e.g. "3" or "2,4" (checked against each model
+    when it is loaded)."""
+    try:
+        cuts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer numbers separated by commas, got {text!r}") from None
+    if any(c < 1 for c in cuts) or list(cuts) != sorted(set(cuts)):
+        raise argparse.ArgumentTypeError(f"expected increasing layer numbers >= 1, got {text!r}")
+    return cuts
 
 
 # Argument types: a bad value is argparse's usage error (exit 2, naming the flag and the
@@ -502,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--prune", action="store_true",
                     help="then delete these models' serialized entries that this jaxserve/jax/grid can never "
                          "load again (left by older versions); other models' entries stay")
+    sp.add_argument("--stages", type=_layer_cuts, default=(),
+                    help="also compile each model cut into layer ranges at these layers, e.g. 3 or 2,4 (for "
+                         "workers that hold stages; the whole model is always compiled)")
     sp.set_defaults(fn=cmd_warmup)
 
     sp = sub.add_parser("serve", help="start the HTTP server")

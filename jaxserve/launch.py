@@ -325,16 +325,12 @@ def make_workers(settings: ServeSettings, runtimes: dict[str, ModelRuntime]):
     if settings.policy == "dt":
         raise ValueError("--policy dt emulates dynamic shapes inside the server's own runtime; "
                          "it runs with thread workers only")
-    from jaxserve.ray_workers import make_ray_workers  # optional extra: jaxserve[ray]
+    from jaxserve.ray_workers import make_ray_workers, ray_worker_factory  # optional extra: jaxserve[ray]
 
     wholes = tuple(whole_stage(name, rt) for name, rt in runtimes.items())
-    ray_options = dict(address=settings.ray_address, worker_cpus=settings.worker_cpus, gpus=settings.worker_gpus)
-    workers = make_ray_workers(settings, settings.instances, lambda i: wholes, **ray_options)
-
-    def factory(worker_id: int):
-        return make_ray_workers(settings, 1, lambda i: (), first_id=worker_id, **ray_options)[0]
-
-    return workers, factory
+    workers = make_ray_workers(settings, settings.instances, lambda i: wholes, address=settings.ray_address,
+                               worker_cpus=settings.worker_cpus, gpus=settings.worker_gpus)
+    return workers, ray_worker_factory(settings, settings.worker_cpus, settings.worker_gpus)
 
 
 GC_THRESHOLDS = (50_000, 20, 100)

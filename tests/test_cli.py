@@ -434,3 +434,22 @@ def test_a_broken_weights_install_is_one_clear_line_not_a_traceback(tmp_path):
                           str(tmp_path / "c")], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 1
     assert "has no model.safetensors" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def test_warmup_fills_the_stages_workers_will_load(tmp_path):
+    """`warmup --stages 2`: each model's layer ranges [0:2] and [2:L] are compiled into the
+    cache beside the whole model, so a worker holding a stage (a Ray actor on that node)
+    loads it and compiles nothing; a second warmup loads every one of them."""
+    cache = tmp_path / "cache"
+    flags = ["--model", "vit-demo", "--batch-sizes", "1", "--gammas", "0", "--cache-dir", str(cache), "--no-tune"]
+    first = run("warmup", *flags, "--stages", "2")
+    assert first.returncode == 0, first.stderr
+    assert "vit-demo: 1 executables (1 compiled)" in first.stdout
+    assert "vit-demo[0:2]: 1 executables (1 compiled)" in first.stdout
+    assert "vit-demo[2:4]: 1 executables (1 compiled)" in first.stdout
+    second = run("warmup", *flags, "--stages", "2", "--prune")
+    assert "vit-demo[2:4]: 1 executables (1 serialized)" in second.stdout
+    assert "pruned 0 stale entries" in second.stdout
+    bad = run("warmup", *flags, "--stages", "9")
+    assert bad.returncode != 0 and "--stages" in bad.stderr and "outside (0, 4)" in bad.stderr
+    assert run("warmup", *flags, "--stages", "3,2").returncode == 2  # a usage error, before any work
