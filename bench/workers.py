@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -259,6 +260,12 @@ def ray_section(seconds: float, rounds: int, write: bool) -> None:
     print(notes)
     if write:
         record("workers-ray", "Ray actors against thread workers", text, notes)
+        # what the simulator prices a hop between workers with (jaxserve.simulator.Transfer.from_profile)
+        from jaxserve.profiler import machine_description  # JAX is up by now (see the check above)
+
+        profile = {"hop_latency_s": float(r["hops"][sizes[0]]), "bytes_per_s": float(2**20 / per_mb),
+                   "measured_by": "python -m bench.workers --section ray --write", "machine": machine_description()}
+        (Path(__file__).parent / "profiles" / "ray-transfer.json").write_text(json.dumps(profile, indent=1) + "\n")
 
 
 def main():

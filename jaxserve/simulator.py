@@ -78,7 +78,9 @@ _PENDING, _QUEUED, _RUNNING, _DONE, _HELD = range(5)
 @dataclass(frozen=True)
 class Transfer:
     """What moving activations between instances costs: ``hop_latency`` seconds per hop
-    plus ``activation_bytes(batch)`` bytes at ``bandwidth`` bytes per second."""
+    plus ``activation_bytes(batch)`` bytes at ``bandwidth`` bytes per second.
+    :meth:`from_profile` reads the values ``bench/workers.py --section ray --write``
+    measured between two Ray actors (``bench/profiles/ray-transfer.json``)."""
 
     bandwidth: float = math.inf
     hop_latency: float = 0.0
@@ -86,6 +88,16 @@ class Transfer:
 
     def seconds(self, batch: Batch) -> float:
         return self.hop_latency + self.activation_bytes(batch) / self.bandwidth
+
+    @classmethod
+    def from_profile(cls, path, activation_bytes: Callable[[Batch], float]) -> "Transfer":
+        """The measured hop (``{"hop_latency_s": .., "bytes_per_s": ..}``) with the caller's
+        bytes per batch (e.g. ``batch * seq * hidden * 4`` for float32 hidden states)."""
+        import json
+        from pathlib import Path
+
+        raw = json.loads(Path(path).read_text())
+        return cls(float(raw["bytes_per_s"]), float(raw["hop_latency_s"]), activation_bytes)
 
 
 def profile_name(batch: Batch) -> str:

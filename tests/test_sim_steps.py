@@ -180,3 +180,11 @@ def test_pipeline_conservation_under_load_every_request_one_outcome():
     assert counts["ok"] > 0 and (counts["evicted"] + counts["rejected"] + counts["late"]) > 0
     done = r.completed()
     assert np.all(r.finish[done] >= r.start[done] + 1.5 - 1e-9)  # both stages ran, at least 1.0 + 0.5 each
+
+
+def test_a_measured_transfer_profile_prices_a_hop(tmp_path):
+    path = tmp_path / "ray-transfer.json"
+    path.write_text('{"hop_latency_s": 0.004, "bytes_per_s": 2e9}')
+    t = Transfer.from_profile(path, lambda b: b.cell.batch * 64 * 384 * 4.0)
+    batch = Batch((0,), "m", Cell(8), 1, S1, final=True)
+    assert t.seconds(batch) == pytest.approx(0.004 + 8 * 64 * 384 * 4 / 2e9)
