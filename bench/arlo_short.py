@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -168,7 +169,33 @@ def cmd_causes(args) -> list[str]:
         print(fmt(s))
         rows.append([label, f"{s['slo_att']:.4f}", f"{s['mean'] * 1e3:.1f}", f"{s['p98'] * 1e3:.1f}",
                      f"{s['padding']:.2f}", f"{s['batch']:.2f}", "—", first_period(s), "—"])
+    from bench.common import record, table
+
+    body = (f"2 instances, real tweet lengths, MMPP at 30 % of the one-at-a-time capacity ({len(tr):,} requests, "
+            f"{len(tr) / tr.arrival[-1]:.0f} req/s over {tr.arrival[-1]:.0f} s), SLO 500 ms; Arlo's parts switched one "
+            "at a time (`ArloPolicy` options), then the two baselines on the same trace.\n\n"
+            + table(["scheme", "SLO att.", "mean ms", "p98 ms", "padding", "mean batch", "demoted",
+                     "first 10 s (before the first solve) / after", "final instances per runtime"], rows))
+    print(body)
+    if args.write:
+        record("arlo_short_causes", "Arlo on short real texts (issue 24): where the time went", body, CAUSES_NOTES)
     return rows
+
+
+CAUSES_NOTES = (
+    "Reading. Before (first row): the even start put the 2 instances on the two longest runtimes (128 and 256) "
+    "for the first 10 s, so every request was padded to 128 or 256 (mean 1.9 s, 62 % late in that period); the "
+    "first solve (Eq. 1-7) then had to keep one instance on 256 (Eq. 7) for 0.5 % of the traffic, left the other "
+    "on 40 at batch 1 (116 req/s against bursts of 220 req/s), and Alg. 1 demoted the overflow of short requests "
+    "to the 256 instance (40 ms each): padding 3.2x, a third late. The profile's max batch alone removes the "
+    "lateness after the first solve but not the first period nor the padding; starting on the longest runtime is "
+    "worse. Runtime groups (an instance serves a contiguous range of runtimes, each batch in its requests' own "
+    "bucket; jaxserve/sched/arlo/groups.py) remove all three causes; the max batch then matters under bursts "
+    "(bench/RESULTS.md `arlo_short`). Demotion sending short requests to long runtimes was a consequence of "
+    "the allocation, not a cause of its own: with groups nothing is demoted in this cell. Nor was the runtime "
+    "set's choice: the first solve did pick from the window's lengths (40 and 256); with 2 instances for 9 "
+    "runtimes, one runtime per instance plus Eq. 7 leaves no good choice."
+)
 
 
 def _demoted_short(s: dict) -> str:
@@ -289,13 +316,102 @@ NOTES = (
 )
 
 
+def cmd_live(args) -> None:
+    """Live on this machine: ``jaxserve serve --policy P --instances 2 --slo-ms 500`` on the serve
+    grid and this cost model, real tweets (unstretched) at MMPP 30 % and 60 % of the one-at-a-time
+    capacity, one run per (load, policy), client-side HTTP latency."""
+    import asyncio
+    import os
+
+    from bench.common import PLOTS, record, scrape, table
+    from bench.load import start, stop
+    from jaxserve.datasets import load_tweets
+
+    env_flags = os.environ.get("XLA_FLAGS")
+    from bench.arlo_live import open_loop  # noqa: E402  (its import pins single-threaded XLA: undo that)
+
+    if env_flags is None:
+        os.environ.pop("XLA_FLAGS", None)
+    else:
+        os.environ["XLA_FLAGS"] = env_flags
+    texts_all, _ = load_tweets()
+    tok_lengths = lengths(False)
+    url = f"http://127.0.0.1:{args.port}"
+    rows, curves = [], {}
+    rng = np.random.default_rng(7)
+    for load in (0.30, 0.60):
+        rate = load * capacity(tok_lengths, 2)
+        mean = (MMPP_RATES[0] * MMPP_MEANS[0] + MMPP_RATES[1] * MMPP_MEANS[1]) / sum(MMPP_MEANS)
+        schedule = traces.mmpp_arrivals((rate * MMPP_RATES[0] / mean, rate * MMPP_RATES[1] / mean), MMPP_MEANS,
+                                        duration=args.live_seconds, seed=int(load * 100))
+        picks = rng.integers(0, len(texts_all), len(schedule))
+        sent = [texts_all[i] for i in picks]
+        for name, label in SCHEMES:
+            cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", MODEL, "--port", str(args.port),
+                   "--policy", name, "--instances", "2", "--slo-ms", f"{SLO_MS:.0f}", "--cost-model", str(COST),
+                   "--cache-dir", args.cache_dir, "--max-queue", "100000", "--arlo-period-s", "30"]
+            proc = start(cmd, url)
+            try:
+                res = asyncio.run(open_loop(url, schedule, sent, SLO_MS))
+                m = scrape(url, "jaxserve_policy_", "jaxserve_compilations_since_ready")
+            finally:
+                stop(proc)
+            lat = res["latency"][np.isfinite(res["latency"])]
+            out = res["outcome"]
+            late = int(np.sum(out == "late"))
+            bad = int(sum(o not in ("ok", "late") for o in out))
+            curves[(load, label)] = lat
+            print(f"live {load:.0%} {label}: sent {len(schedule)} ({len(schedule) / args.live_seconds:.0f}/s), "
+                  f"answered {len(lat)}, mean {lat.mean() * 1e3:.1f} ms, p98 {np.percentile(lat, 98) * 1e3:.0f} ms, "
+                  f"late {late}, errors {bad}; {m}", flush=True)
+            rows.append([f"{load:.0%}", label, f"{len(schedule):,}", f"{len(schedule) / args.live_seconds:.0f}",
+                         f"{np.mean(out == 'ok'):.4f}", f"{lat.mean() * 1e3:.1f}", f"{np.percentile(lat, 50) * 1e3:.1f}",
+                         f"{np.percentile(lat, 98) * 1e3:.0f}", str(late), str(bad),
+                         f"{m.get('jaxserve_compilations_since_ready', 0):.0f}"])
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for ax, load in zip(axes, (0.30, 0.60)):
+        for _, label in SCHEMES:
+            lat = np.sort(curves[(load, label)]) * 1e3
+            ax.plot(lat, np.arange(1, len(lat) + 1) / max(1, len(lat)), label=label)
+        ax.axvline(SLO_MS, color="grey", linestyle=":")
+        ax.set_xscale("log")
+        ax.set_xlabel("client latency (ms, log)")
+        ax.set_title(f"live, 2 instances, real tweets, MMPP {load:.0%}", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path = PLOTS / "arlo_short_live.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    body = table(["load", "scheme", "requests", "req/s", "SLO att.", "mean ms", "p50 ms", "p98 ms", "late",
+                  "errors/429", "compiles after ready"], rows) + f"\n\nCDF: `bench/plots/{path.name}`"
+    notes = (f"`jaxserve serve --model minilm-l6 --instances 2 --slo-ms 500 --policy P` (serve grid, cost model "
+             f"`bench/results/sim_knee-cost_model.json`, Arlo period 30 s), real weights, over HTTP on 127.0.0.1; an "
+             f"open-loop client in the benchmark's process posts real unstretched tweets to /v1/embeddings on an MMPP "
+             f"schedule ({args.live_seconds:.0f} s per run, one run per cell, the rates of the simulated matrix). The "
+             f"machine's 2 cores are shared with the client and other jobs (load average "
+             f"{os.getloadavg()[0]:.1f} at the end): compare policies within a load, not with the simulation.")
+    print(body)
+    if args.write:
+        record("arlo_short_live", "Arlo live on short real texts (issue 24): 2 instances, MMPP 30 % / 60 %",
+               body, notes)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("experiment", choices=["causes", "matrix"])
+    ap.add_argument("experiment", choices=["causes", "matrix", "live"])
+    ap.add_argument("--live-seconds", type=float, default=60.0)
+    ap.add_argument("--port", type=int, default=8047)
+    ap.add_argument("--cache-dir", default="compiled_cache")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
-    {"causes": cmd_causes, "matrix": cmd_matrix}[args.experiment](args)
+    {"causes": cmd_causes, "matrix": cmd_matrix, "live": cmd_live}[args.experiment](args)
 
 
 if __name__ == "__main__":
