@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from jaxserve.cli import POSITIVE_INT
 from jaxserve.datasets import prepare_digits, train_batches
-from jaxserve.models.vit import VIT_CONFIGS, ViT, ViTConfig, abstract_vit, init_vit, vit_forward
+from jaxserve.models.vit import VIT_CONFIGS, ViT, ViTConfig, init_vit, vit_forward
 
 
 @dataclass(frozen=True)
