@@ -82,6 +82,9 @@ class Servable:
     # options whose best choice depends on the CPU, not only on the model and the shape
     option_candidates: Callable[[Cell], tuple[dict[str, str], ...]] = lambda cell: ()
     precision: str = "f32"  # dense-kernel dtype (jaxserve.models.precision); part of the cache key
+    # stage_servable(start, stop): the servable of layers [start, stop) of this model over the
+    # same grid (jaxserve.stages), named and keyed by its range; None: the model cannot be cut
+    stage_servable: Callable[[int, int], "Servable"] | None = None
 
     def abstract_args(self, cell: Cell) -> tuple:
         return (self.abstract_state, *self.input_specs(cell))

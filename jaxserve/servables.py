@@ -33,6 +33,42 @@ def bert_servable(name: str, cfg: BertConfig, grid: ShapeGrid, precision: str = 
         abstract_state=abstract_state, fn_for=lambda cell: encode, input_specs=specs,
         options_of=bert_options if precision == "f32" else bert_bf16_options, precision=precision,
         option_candidates=ynn_candidates if precision == "f32" else ynn_bf16_candidates,
+        stage_servable=lambda start, stop: bert_stage_servable(name, cfg, grid, start, stop, precision),
+    )
+
+
+def stage_name(model: str, start: int, stop: int) -> str:
+    """A stage servable's name, its range included (``jaxserve.sched.base.Stage.label``): the
+    cache keys name it, so two ranges of one model never share an entry."""
+    return f"{model}[{start}:{stop}]"
+
+
+def bert_stage_servable(name: str, cfg: BertConfig, grid: ShapeGrid, start: int, stop: int,
+                        precision: str = "f32") -> Servable:
+    """Layers [start, stop) of ``name`` (``BertStage``) over the whole model's grid and options.
+
+    Cells (batch, seq bucket): ``fn(weights, x, mask)`` where x is the token ids [B, S] (first
+    stage) or the hidden states [B, S, D] float32; returns ``{'hidden'}``, or from the last
+    stage the whole model's ``{'embedding', 'cls'}``. Keyed by name and variant, both naming
+    the range."""
+    from jaxserve.models.bert import abstract_bert_stage, make_bert_stage_fn
+
+    if grid.max_length > cfg.max_position:
+        raise ValueError(f"bucket {grid.max_length} exceeds max_position {cfg.max_position}")
+    graphdef, abstract_state = abstract_bert_stage(cfg, start, stop)
+    stage = make_bert_stage_fn(graphdef, last=stop == cfg.num_layers)
+
+    def specs(cell: Cell):
+        mask = jax.ShapeDtypeStruct((cell.batch, cell.seq), np.int32)
+        x = mask if start == 0 else jax.ShapeDtypeStruct((cell.batch, cell.seq, cfg.hidden_size), np.float32)
+        return (x, mask)
+
+    return Servable(
+        name=stage_name(name, start, stop), config_hash=cfg.key(), grid=grid,
+        abstract_state=matmul_weights(abstract_state, precision), fn_for=lambda cell: stage, input_specs=specs,
+        variant_of=lambda cell: f"layers={start}:{stop}/{cfg.num_layers}",
+        options_of=bert_options if precision == "f32" else bert_bf16_options, precision=precision,
+        option_candidates=ynn_candidates if precision == "f32" else ynn_bf16_candidates,
     )
 
 
@@ -133,6 +169,72 @@ def vit_servable(name: str, cfg, grid: ShapeGrid, prompt_mode: str = "replace",
         fn_for=fn_for, input_specs=specs, variant_of=variant,
         options_of=vit_options if precision == "f32" else vit_bf16_options, precision=precision,
         option_candidates=ynn_candidates if precision == "f32" else ynn_bf16_candidates,
+        stage_servable=lambda start, stop: vit_stage_servable(name, cfg, grid, start, stop, prompt_mode, classes,
+                                                              precision),
+    )
+
+
+def vit_stage_servable(name: str, cfg, grid: ShapeGrid, start: int, stop: int, prompt_mode: str = "replace",
+                       num_classes: int | None = None, precision: str = "f32") -> Servable:
+    """Layers [start, stop) of ``name`` (``ViTStage``) over the whole model's grid and options.
+
+    Cells (batch, gamma), arguments in this order, each only where it applies:
+    ``fn(weights, x, size, prompts, head_w, head_b)``. x: pixels (first stage) or the tokens
+    [B, N, D] entering layer ``start``, N being the count layer ``start - 1`` left at this
+    gamma (``token_counts``); size [B, N]: the ToMe sizes (later stages, where gamma's
+    schedule merges anywhere); prompts [B, stop - start, P, D]: this stage's layers' prompts
+    (gamma > 0); head_w, head_b: the per-sample head (last stage). Returns ``{'hidden',
+    'size'}`` (size where merging), or from the last stage the whole model's ``{'logits',
+    'cls'}``. Keyed by name and variant, both naming the range."""
+    from jaxserve.models.vit import abstract_vit_stage, gamma_settings, make_vit_stage_fn, token_counts
+
+    graphdef, abstract_state = abstract_vit_stage(cfg, start, stop)
+    classes = int(num_classes or cfg.num_classes)
+    last = stop == cfg.num_layers
+
+    def settings(cell: Cell) -> tuple[tuple[int, ...], int, bool]:
+        merge_r, num_prompts = gamma_settings(cfg, cell.gamma)
+        return merge_r, num_prompts, start > 0 and any(merge_r)
+
+    def fn_for(cell: Cell):
+        merge_r, num_prompts, sized = settings(cell)
+        forward = make_vit_stage_fn(graphdef, merge_r=merge_r, num_prompts=num_prompts, prompt_mode=prompt_mode)
+
+        def fn(state, x, *rest):
+            rest = list(rest)
+            size = rest.pop(0) if sized else None
+            prompts = rest.pop(0) if num_prompts else None
+            head_w, head_b = rest if last else (None, None)
+            return forward(state, x, size, prompts, head_w, head_b)
+
+        return fn
+
+    def specs(cell: Cell):
+        b, d = cell.batch, cfg.hidden_size
+        merge_r, num_prompts, sized = settings(cell)
+        if start == 0:
+            args = [jax.ShapeDtypeStruct((b, cfg.image_size, cfg.image_size, cfg.num_channels), np.float32)]
+        else:
+            n = token_counts(cfg, merge_r, num_prompts, prompt_mode)[start - 1]
+            args = [jax.ShapeDtypeStruct((b, n, d), np.float32)]
+            if sized:
+                args.append(jax.ShapeDtypeStruct((b, n), np.float32))
+        if num_prompts:
+            args.append(jax.ShapeDtypeStruct((b, stop - start, num_prompts, d), np.float32))
+        if last:
+            args += [jax.ShapeDtypeStruct((b, d, classes), np.float32), jax.ShapeDtypeStruct((b, classes), np.float32)]
+        return tuple(args)
+
+    def variant(cell: Cell) -> str:
+        merge_r, num_prompts, _ = settings(cell)
+        return (f"gamma={cell.gamma}:merge={merge_r}:prompts={num_prompts}:{prompt_mode}:classes={classes}"
+                f":layers={start}:{stop}/{cfg.num_layers}")
+
+    return Servable(
+        name=stage_name(name, start, stop), config_hash=cfg.key(), grid=grid,
+        abstract_state=matmul_weights(abstract_state, precision), fn_for=fn_for, input_specs=specs,
+        variant_of=variant, options_of=vit_options if precision == "f32" else vit_bf16_options,
+        precision=precision, option_candidates=ynn_candidates if precision == "f32" else ynn_bf16_candidates,
     )
 
 

@@ -128,18 +128,61 @@ class Bert(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, token_type_ids: jax.Array | None = None):
         """Last hidden states [B, S, D] for int32 ids and a {0,1} mask of real tokens."""
-        s = input_ids.shape[1]
-        if token_type_ids is None:
-            token_type_ids = jnp.zeros_like(input_ids)
-        x = (
-            self.word_embeddings(input_ids)
-            + self.position_embeddings(jnp.arange(s)[None, :])
-            + self.token_type_embeddings(token_type_ids)
-        )
-        x = self.embed_norm(x)
-        # Padded keys get a large negative bias; finite (not -inf) so an all-padding row
-        # (a padded batch slot) stays NaN-free.
-        key_bias = jnp.where(attention_mask > 0, 0.0, -1e9).astype(x.dtype)
+        x = embed_tokens(self, input_ids, token_type_ids)
+        key_bias = padding_bias(attention_mask, x.dtype)
+        for layer in self.layers:
+            x = layer(x, key_bias)
+        return x
+
+
+def embed_tokens(model: nnx.Module, input_ids: jax.Array, token_type_ids: jax.Array | None = None) -> jax.Array:
+    """The embedding sum and its LayerNorm, [B, S, D], of a module holding BERT's embeddings
+    (a :class:`Bert`, or the first :class:`BertStage`)."""
+    s = input_ids.shape[1]
+    if token_type_ids is None:
+        token_type_ids = jnp.zeros_like(input_ids)
+    x = (
+        model.word_embeddings(input_ids)
+        + model.position_embeddings(jnp.arange(s)[None, :])
+        + model.token_type_embeddings(token_type_ids)
+    )
+    return model.embed_norm(x)
+
+
+def padding_bias(attention_mask: jax.Array, dtype) -> jax.Array:
+    """The additive attention bias of each key [B, S]: 0 for real tokens, -1e9 for padding.
+    Finite (not -inf) so an all-padding row (a padded batch slot) stays NaN-free."""
+    return jnp.where(attention_mask > 0, 0.0, -1e9).astype(dtype)
+
+
+class BertStage(nnx.Module):
+    """Layers [start, stop) of a ``cfg.num_layers``-deep :class:`Bert` (a pipeline stage).
+
+    The first stage (start 0) also holds the embeddings and takes token ids; a later one
+    takes the hidden states [B, S, D] its predecessor returned. Parameter names are
+    Bert's, with the layers renumbered from 0, so a stage's weights are a slice of a Bert's
+    state by path (``jaxserve.stages.slice_stage_weights``). Pooling has no parameters:
+    the last stage's function pools (:func:`make_bert_stage_fn`)."""
+
+    def __init__(self, cfg: BertConfig, start: int, stop: int, *, rngs: nnx.Rngs):
+        if not 0 <= start < stop <= cfg.num_layers:
+            raise ValueError(f"[{start}:{stop}] is not a layer range of a {cfg.num_layers}-layer BERT")
+        self.cfg = cfg
+        self.start, self.stop = start, stop
+        if start == 0:
+            d = cfg.hidden_size
+            self.word_embeddings = nnx.Embed(cfg.vocab_size, d, rngs=rngs)
+            self.position_embeddings = nnx.Embed(cfg.max_position, d, rngs=rngs)
+            self.token_type_embeddings = nnx.Embed(cfg.type_vocab_size, d, rngs=rngs)
+            self.embed_norm = nnx.LayerNorm(d, epsilon=cfg.layer_norm_eps, rngs=rngs)
+        self.layers = nnx.List([BertLayer(cfg, rngs=rngs) for _ in range(stop - start)])
+
+    def __call__(self, x: jax.Array, attention_mask: jax.Array) -> jax.Array:
+        """Hidden states [B, S, D] after layer ``stop - 1``, from int32 ids [B, S] (first
+        stage) or the hidden states after layer ``start - 1``."""
+        if self.start == 0:
+            x = embed_tokens(self, x)
+        key_bias = padding_bias(attention_mask, x.dtype)
         for layer in self.layers:
             x = layer(x, key_bias)
         return x
@@ -161,6 +204,22 @@ def make_encode_fn(graphdef: nnx.GraphDef):
         return pool(model(input_ids, attention_mask), attention_mask)
 
     return encode
+
+
+def make_bert_stage_fn(graphdef: nnx.GraphDef, last: bool):
+    """The pure function a BERT stage's polymorph compiles: (weights, ids or hidden, mask) ->
+    the pooled ``{'embedding', 'cls'}`` (``last``) or ``{'hidden': [B, S, D]}``."""
+
+    def stage(state, x, attention_mask):
+        hidden = nnx.merge(graphdef, state)(x, attention_mask)
+        return pool(hidden, attention_mask) if last else {"hidden": hidden}
+
+    return stage
+
+
+def abstract_bert_stage(cfg: BertConfig, start: int, stop: int):
+    """(graphdef, abstract state) of :class:`BertStage` ``[start, stop)``, allocating nothing."""
+    return nnx.split(nnx.eval_shape(lambda: BertStage(cfg, start, stop, rngs=nnx.Rngs(0))))
 
 
 def init_bert(cfg: BertConfig, seed: int = 0) -> Bert:

@@ -194,38 +194,118 @@ class ViT(nnx.Module):
             if prompts is None or prompts.shape != expected:
                 raise ValueError(f"prompts must have shape {expected}, got {getattr(prompts, 'shape', None)}")
 
-        batch = pixels.shape[0]
-        x = self.patch_embed(patchify(pixels, c.patch_size))
-        cls = jnp.broadcast_to(self.cls_token[...], (batch, 1, c.hidden_size))
-        x = jnp.concatenate([cls, x], axis=1) + self.pos_embed[...]
-        # Token sizes only exist when something merges; without them attention is exactly timm's.
-        size = jnp.ones(x.shape[:2], x.dtype) if any(merge_r) else None
-
-        in_sequence = 0  # prompt tokens currently sitting right after CLS
-        for i, block in enumerate(self.blocks):
-            if num_prompts:  # insert before the block norm (OTAS Fig. 6; VPT-deep)
-                kept = in_sequence if prompt_mode == "accumulate" else 0
-                new = prompts[:, i].astype(x.dtype)
-                x = jnp.concatenate([x[:, : 1 + kept], new, x[:, 1 + in_sequence :]], axis=1)
-                if size is not None:
-                    ones = jnp.ones((batch, num_prompts), size.dtype)
-                    size = jnp.concatenate([size[:, : 1 + kept], ones, size[:, 1 + in_sequence :]], axis=1)
-                in_sequence = kept + num_prompts
-            r = merge_r[i] if merge_r else 0
-            x, size = block(x, size, r, num_protected=1 + in_sequence)
-
+        x, size = embed_patches(self, pixels, merge_r)
+        x, size = run_blocks(self.blocks, 0, x, size, merge_r=merge_r, num_prompts=num_prompts,
+                             prompt_mode=prompt_mode, prompts=prompts)
         x = self.norm(x)
-        cls_out = x[:, 0]
-        if head_w is None:
-            logits = self.head(cls_out)
-        else:
-            logits = jnp.einsum("bd,bdc->bc", cls_out, head_w)
-            if head_b is not None:
-                logits = logits + head_b
-        out = {"logits": logits, "cls": cls_out}
+        out = classify(self, x[:, 0], head_w, head_b)
         if return_tokens:
             out["tokens"] = x
         return out
+
+
+def embed_patches(model: nnx.Module, pixels: jax.Array, merge_r: tuple[int, ...]) -> tuple[jax.Array, jax.Array | None]:
+    """(tokens [B, 1 + patches, D], sizes [B, 1 + patches] or None) entering layer 0, for a module
+    holding the ViT's embeddings (a :class:`ViT`, or the first :class:`ViTStage`). Token sizes
+    only exist when the schedule ``merge_r`` merges anywhere; without them attention is exactly
+    timm's."""
+    c = model.config
+    batch = pixels.shape[0]
+    x = model.patch_embed(patchify(pixels, c.patch_size))
+    cls = jnp.broadcast_to(model.cls_token[...], (batch, 1, c.hidden_size))
+    x = jnp.concatenate([cls, x], axis=1) + model.pos_embed[...]
+    size = jnp.ones(x.shape[:2], x.dtype) if any(merge_r) else None
+    return x, size
+
+
+def prompts_in_sequence(layer: int, num_prompts: int, prompt_mode: str) -> int:
+    """Prompt tokens sitting right after CLS in the sequence that enters ``layer``."""
+    if not num_prompts or layer == 0:
+        return 0
+    return num_prompts if prompt_mode == "replace" else layer * num_prompts
+
+
+def run_blocks(blocks, first_layer: int, x: jax.Array, size: jax.Array | None, *, merge_r: tuple[int, ...],
+               num_prompts: int, prompt_mode: str, prompts: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+    """Run ``blocks``, the model's layers ``first_layer, first_layer + 1, ...``, on the sequence
+    entering ``first_layer``. ``merge_r`` is the whole model's schedule (indexed by layer);
+    ``prompts`` [B, len(blocks), P, D] are these layers' prompts."""
+    batch = x.shape[0]
+    in_sequence = prompts_in_sequence(first_layer, num_prompts, prompt_mode)
+    for j, block in enumerate(blocks):
+        i = first_layer + j
+        if num_prompts:  # insert before the block norm (OTAS Fig. 6; VPT-deep)
+            kept = in_sequence if prompt_mode == "accumulate" else 0
+            new = prompts[:, j].astype(x.dtype)
+            x = jnp.concatenate([x[:, : 1 + kept], new, x[:, 1 + in_sequence :]], axis=1)
+            if size is not None:
+                ones = jnp.ones((batch, num_prompts), size.dtype)
+                size = jnp.concatenate([size[:, : 1 + kept], ones, size[:, 1 + in_sequence :]], axis=1)
+            in_sequence = kept + num_prompts
+        r = merge_r[i] if merge_r else 0
+        x, size = block(x, size, r, num_protected=1 + in_sequence)
+    return x, size
+
+
+def classify(model: nnx.Module, cls_out: jax.Array, head_w: jax.Array | None, head_b: jax.Array | None) -> dict:
+    """{'logits' [B, C], 'cls' [B, D]} from the normed CLS state: the model's own head, or the
+    per-sample head (head_w [B, D, C], head_b [B, C]) when given."""
+    if head_w is None:
+        logits = model.head(cls_out)
+    else:
+        logits = jnp.einsum("bd,bdc->bc", cls_out, head_w)
+        if head_b is not None:
+            logits = logits + head_b
+    return {"logits": logits, "cls": cls_out}
+
+
+class ViTStage(nnx.Module):
+    """Layers [start, stop) of a ``config.num_layers``-deep :class:`ViT` (a pipeline stage).
+
+    The first stage (start 0) also holds the patch and position embeddings and the CLS token
+    and takes pixels; the last one also holds the final norm and the model's head. Between
+    stages travel the tokens [B, N, D] and, when the merge schedule merges anywhere, their
+    ToMe sizes [B, N]; N is static per (gamma, layer) (:func:`token_counts`). Parameter names
+    are ViT's with the blocks renumbered from 0, so a stage's weights are a slice of a ViT's
+    state by path (``jaxserve.stages.slice_stage_weights``)."""
+
+    def __init__(self, config: ViTConfig, start: int, stop: int, *, rngs: nnx.Rngs):
+        if not 0 <= start < stop <= config.num_layers:
+            raise ValueError(f"[{start}:{stop}] is not a layer range of a {config.num_layers}-layer ViT")
+        self.config = c = config
+        self.start, self.stop = start, stop
+        if start == 0:
+            self.patch_embed = _linear(c.patch_size * c.patch_size * c.num_channels, c.hidden_size, rngs)
+            self.cls_token = nnx.Param(jax.random.normal(rngs.params(), (1, 1, c.hidden_size)) * 1e-6)
+            self.pos_embed = nnx.Param(_init(rngs.params(), (1, c.num_patches + 1, c.hidden_size)))
+        self.blocks = nnx.List([Block(c, rngs) for _ in range(stop - start)])
+        if stop == c.num_layers:
+            self.norm = _layer_norm(c, rngs)
+            self.head = _linear(c.hidden_size, c.num_classes, rngs)
+
+    def __call__(self, x: jax.Array, size: jax.Array | None = None, *, merge_r: tuple[int, ...] = (),
+                 num_prompts: int = 0, prompt_mode: str = "replace", prompts: jax.Array | None = None,
+                 head_w: jax.Array | None = None, head_b: jax.Array | None = None) -> dict[str, jax.Array]:
+        """Pixels [B, H, W, C] (first stage) or the tokens (and sizes) entering layer ``start``
+        -> {'hidden', and 'size' where the schedule merges} leaving layer ``stop - 1``, or, from
+        the last stage, {'logits', 'cls'} as :class:`ViT` returns them. ``merge_r`` is the whole
+        model's schedule; ``prompts`` [B, stop - start, P, D] this stage's layers' prompts."""
+        c = self.config
+        merge_r = tuple(int(r) for r in merge_r)
+        if merge_r and len(merge_r) != c.num_layers:
+            raise ValueError(f"merge_r needs {c.num_layers} entries (the whole model's), got {len(merge_r)}")
+        if num_prompts:
+            expected = (self.stop - self.start, num_prompts, c.hidden_size)
+            if prompts is None or tuple(prompts.shape[1:]) != expected:
+                raise ValueError(f"prompts must have shape [B, {', '.join(map(str, expected))}], "
+                                 f"got {getattr(prompts, 'shape', None)}")
+        if self.start == 0:
+            x, size = embed_patches(self, x, merge_r)
+        x, size = run_blocks(self.blocks, self.start, x, size, merge_r=merge_r, num_prompts=num_prompts,
+                             prompt_mode=prompt_mode, prompts=prompts)
+        if self.stop < c.num_layers:
+            return {"hidden": x} if size is None else {"hidden": x, "size": size}
+        return classify(self, self.norm(x)[:, 0], head_w, head_b)
 
 
 def patchify(pixels: jax.Array, patch_size: int) -> jax.Array:
@@ -266,6 +346,23 @@ def make_vit_fn(
         )
 
     return forward
+
+
+def make_vit_stage_fn(graphdef: nnx.GraphDef, *, merge_r: tuple[int, ...] = (), num_prompts: int = 0,
+                      prompt_mode: Literal["replace", "accumulate"] = "replace"):
+    """The pure function one ViT stage polymorph compiles (cf. :func:`make_vit_fn`):
+    fn(state, x, size=None, prompts=None, head_w=None, head_b=None), static settings bound."""
+
+    def forward(state, x, size=None, prompts=None, head_w=None, head_b=None):
+        return nnx.merge(graphdef, state)(x, size, merge_r=merge_r, num_prompts=num_prompts,
+                                          prompt_mode=prompt_mode, prompts=prompts, head_w=head_w, head_b=head_b)
+
+    return forward
+
+
+def abstract_vit_stage(config: ViTConfig, start: int, stop: int) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, abstract state) of :class:`ViTStage` ``[start, stop)``, allocating nothing."""
+    return nnx.split(nnx.eval_shape(lambda: ViTStage(config, start, stop, rngs=nnx.Rngs(0))))
 
 
 def init_vit(config: ViTConfig, seed: int = 0) -> ViT:
