@@ -886,7 +886,8 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
 
         with cf.ThreadPoolExecutor(12) as pool:
             futures = [pool.submit(one, i) for i in range(12)]
-            time.sleep(0.25)  # the requests are queued or running
+            # SIGTERM once work is in flight (queued or running), whatever the machine's load
+            assert _until(lambda: (_series(url, "jaxserve_in_flight") or 0) >= 16, timeout_s=120)
             sent_at = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             results = [f.result() for f in futures]
