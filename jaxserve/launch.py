@@ -298,6 +298,10 @@ def build_engine(settings: ServeSettings, stop: Callable[[], bool] | None = None
     """Load and warm every model, price every cell, build the policy and the engine.
     ``stop`` is asked before each cell (compile, profile, first run): True raises
     ``WarmupCancelled``, so a server shut down while it warms exits within a cell."""
+    if settings.workers == "ray":  # Ray starts its processes before this one initialises JAX (no fork after)
+        from jaxserve.ray_workers import ensure_ray_for
+
+        ensure_ray_for(settings.instances, settings.ray_address, settings.worker_cpus)
     cache = CompileCache(settings.cache_dir) if settings.cache_dir else None
     runtimes = load_runtimes(settings, cache, stop)
     cost_path = Path(settings.cost_model) if settings.cost_model else (

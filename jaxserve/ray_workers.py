@@ -449,6 +449,13 @@ def ray_worker_factory(settings: Any, worker_cpus: float = 1, gpus: bool = False
     return factory
 
 
+def ensure_ray_for(n: int, address: str | None = None, worker_cpus: float = 1) -> None:
+    """:func:`ensure_ray` for ``n`` workers of ``worker_cpus`` each: a local Ray gets enough
+    logical CPUs for all of them (and twice that, for workers a plan adds later)."""
+    ensure_ray(address, num_cpus=max(os.cpu_count() or 1, int(2 * n * worker_cpus + 0.999))
+               if address is None else None)
+
+
 def make_ray_workers(settings: Any, n: int, stages_for_worker: Callable[[int], Sequence[Stage]] | Sequence,
                      address: str | None = None, worker_cpus: float = 1, gpus: bool = False,
                      first_id: int = 0, wait: bool = True) -> list[RayWorker]:
@@ -460,7 +467,7 @@ def make_ray_workers(settings: Any, n: int, stages_for_worker: Callable[[int], S
     one GPU (ValueError if the cluster has none). ``wait``: return once every actor is
     ready (if one fails, all are closed and its error raised)."""
     stages_of = stages_for_worker if callable(stages_for_worker) else stages_for_worker.__getitem__
-    ensure_ray(address, num_cpus=max(os.cpu_count() or 1, int(n * worker_cpus + 0.999)) if address is None else None)
+    ensure_ray_for(n, address, worker_cpus)
     factory = ray_worker_factory(settings, worker_cpus, gpus)
     workers = [factory(first_id + i, tuple(stages_of(i))) for i in range(n)]
     if wait:
