@@ -42,19 +42,38 @@ from jaxserve.sched.base import bucket_for_length
 from jaxserve.simulator import LATE, OK, simulate
 
 COST = Path(__file__).parent / "results" / "sim_knee-cost_model.json"
+STAIRCASE = Path(__file__).parents[1] / "jaxserve" / "profiles" / "minilm-l6-staircase.json"
 MODEL = "minilm-l6"
 SLO_MS = 500.0
+MAX_LENGTH = 256  # the serve grid's longest bucket
 SCHEMES = (("arlo", "Arlo"), ("default", "default batching"), ("dt", "DT (x1.22)"))
 MMPP_RATES, MMPP_MEANS = (0.5, 2.5), (2.0, 0.5)
 
 
-@lru_cache(maxsize=1)
-def cost():
-    return load_cost_model(COST)
+@lru_cache(maxsize=2)
+def cost(stretched: bool = False):
+    """The serve profile; for the stretched lengths, on the buckets the staircase rule chooses for
+    them (``jaxserve profile --staircase --rule distribution``: nine buckets), each cell priced by the
+    serve profile interpolated in length (``baselines.exact_length_latency``, DT's own pricing)."""
+    base = load_cost_model(COST)
+    if not stretched:
+        return base
+    import json
+
+    from jaxserve.profiler import buckets_for_distribution
+    from jaxserve.sched.base import Cell, CostModel
+    from jaxserve.sched.baselines import exact_length_latency
+
+    stair = json.loads(STAIRCASE.read_text())
+    buckets = buckets_for_distribution(stair["lengths"], stair["seconds"], lengths(True), num_buckets=9)
+    prof = base.latency[MODEL]
+    sizes = sorted({c.batch for c in prof.cells()})
+    table = {Cell(b, s): exact_length_latency(prof, b, s) for b in sizes for s in buckets}
+    return CostModel({MODEL: type(prof)(MODEL, table)}, machine=base.machine)
 
 
-def grid():
-    return simulated_models(cost(), MODEL)[MODEL].grid
+def grid(stretched: bool = False):
+    return simulated_models(cost(stretched), MODEL)[MODEL].grid
 
 
 @lru_cache(maxsize=2)
@@ -64,19 +83,19 @@ def lengths(stretched: bool) -> np.ndarray:
     raw = tweet_token_lengths().astype(np.int64)
     if stretched:
         raw = np.ceil(raw * 512 / 125).astype(np.int64)
-    return np.minimum(raw, grid().max_length)
+    return np.minimum(raw, MAX_LENGTH)
 
 
-def capacity(pool: np.ndarray, instances: int) -> float:
+def capacity(pool: np.ndarray, instances: int, stretched: bool = False) -> float:
     """Requests per second ``instances`` sustain running each request alone in its own bucket."""
-    g, prof = grid(), cost().latency[MODEL]
+    g, prof = grid(stretched), cost(stretched).latency[MODEL]
     per = np.mean([prof.latency_for(1, bucket_for_length(int(n), g.seq_buckets)) for n in pool])
     return instances / per
 
 
 def trace(stretched: bool, instances: int, load: float, arrivals: str, seconds: float, seed: int) -> traces.Trace:
     pool = lengths(stretched)
-    rate = load * capacity(pool, instances)
+    rate = load * capacity(pool, instances, stretched)
     duration = max(seconds, 3000 / rate)
     if arrivals == "poisson":
         arr = traces.poisson_arrivals(rate, duration=duration, seed=seed)
@@ -88,15 +107,15 @@ def trace(stretched: bool, instances: int, load: float, arrivals: str, seconds: 
                              slo_s=SLO_MS / 1e3)
 
 
-def policy(name: str, instances: int):
+def policy(name: str, instances: int, stretched: bool = False):
     settings = ServeSettings(policy=name, instances=instances, slo_ms=SLO_MS, max_queue=256, max_wait_ms=0.0)
-    return make_policy(settings, simulated_models(cost(), MODEL), cost())
+    return make_policy(settings, simulated_models(cost(stretched), MODEL), cost(stretched))
 
 
-def run(name: str, tr: traces.Trace, instances: int) -> dict:
-    pol = policy(name, instances)
+def run(name: str, tr: traces.Trace, instances: int, stretched: bool = False) -> dict:
+    pol = policy(name, instances, stretched)
     t0 = time.perf_counter()
-    r = simulate(pol, tr, cost(), instances)
+    r = simulate(pol, tr, cost(stretched), instances)
     lat = r.latencies()
     return {
         "name": name, "requests": len(r), "slo_att": r.slo_attainment(), "late": int((r.outcome == LATE).sum()),
@@ -213,7 +232,7 @@ MAX_REQUESTS = 120_000  # per cell: the 90-instance cells last ~14-40 s of virtu
 
 def cell_trace(stretched: bool, instances: int, load: float, arrivals: str, seconds: float, seed: int):
     pool = lengths(stretched)
-    rate = load * capacity(pool, instances)
+    rate = load * capacity(pool, instances, stretched)
     return trace(stretched, instances, load, arrivals, min(seconds, max(MAX_REQUESTS / rate, 12.0)), seed)
 
 
@@ -241,7 +260,7 @@ def cmd_matrix(args) -> None:
                 for l_i, load in enumerate(LOADS):
                     seed += 1
                     tr = cell_trace(stretched, g, load, arrivals, args.seconds, seed)
-                    res = {name: run(name, tr, g) for name, _ in SCHEMES}
+                    res = {name: run(name, tr, g, stretched) for name, _ in SCHEMES}
                     a, d, t = res["arlo"], res["default"], res["dt"]
                     att_ok, mean_ok, ratio = verdict(a, d, t)
                     label = "stretched" if stretched else "real"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from itertools import islice
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -21,6 +20,7 @@ from jaxserve.sched.arlo.autoscale import ScaleDecision, TargetTrackingAutoscale
 from jaxserve.sched.arlo.dispatch import DISPATCHERS, MultiLevelDispatcher
 from jaxserve.sched.arlo.groups import GroupCostModel, profile_max_batch
 from jaxserve.sched.arlo.runtime_scheduler import GroupScheduler, RuntimeScheduler
+from jaxserve.sched.batching import DeadlineBatching
 from jaxserve.sched.base import (
     Batch,
     Cell,
@@ -47,6 +47,7 @@ class ArloCounters:
     instances_moved: int = 0
     redispatched: int = 0  # queued requests re-dispatched because their instance moved
     withdrawn: int = 0  # queued requests taken out because their client went away
+    evicted: int = 0  # queued requests answered "evicted": their deadline could no longer be met
     scale_decisions: list[ScaleDecision] = field(default_factory=list)
 
 
@@ -67,32 +68,28 @@ class ArloPolicy(Policy):
       bucket, allocated by Eq. 1-7 (:class:`RuntimeScheduler`); the initial allocation
       is then even (remainder to the longest runtimes). Either way
       ``initial_allocation`` (instances per runtime) overrides the start.
-    * **Queues.** One runtime per instance: each instance has a FIFO queue (§3.4:
-      Alg. 1 picks the instance on arrival). Runtime groups: Alg. 1 still picks
-      the group and charges the request to the least loaded instance of it
-      (outstanding load, Fig. 5), but the request waits in the group's FIFO for
-      its runtime, and whichever instance of the group is idle first runs it (the
-      charge moves with it). Ours: late binding inside a group, so a burst is
-      never stuck behind one instance while another of the group is idle; the
-      paper's per-instance queues cannot share a request between instances of
-      different GPUs, ours share every executable.
-    * **Max batch**: ``max_batch=None`` (default) takes each runtime's from the
-      profile (:func:`~jaxserve.sched.arlo.groups.profile_max_batch`: the largest
-      grid batch within half the SLO); an integer fixes it for every runtime (the
-      paper's §5 uses 1). A batch takes the queue's head and, in runtime groups,
-      the queued requests of the head's bucket (the oldest head of the group's
-      runtimes goes first), up to that runtime's max batch; rows the batch size
-      pads are filled with the oldest requests of shorter runtimes, and the batch
-      grows to the next batch size with them while that costs no more than
-      running them apart and the head still makes the SLO (the default deadline
-      batching's merge rule).
+    * **Queues and batches.** One runtime per instance: each instance has a FIFO
+      queue (§3.4: Alg. 1 picks the instance on arrival) and a batch takes its
+      head, up to the max batch (``max_batch=None``, the default, takes each
+      runtime's from the profile: :func:`~jaxserve.sched.arlo.groups.profile_max_batch`,
+      the largest grid batch within half the SLO; an integer fixes it for every
+      runtime, the paper's §5 uses 1), in the instance's runtime's bucket.
+      Runtime groups: Alg. 1 still picks the group and charges the request to the
+      least loaded instance of it (outstanding load, Fig. 5), but the request then
+      waits in the group's queues and whichever instance of the group is idle
+      first runs it (the charge moves with it). Inside a group, queues and batches
+      are the project's deadline-aware batching (:class:`DeadlineBatching` over the
+      runtimes up to the group's longest, so a demoted request still runs in its
+      own bucket): a batch per runtime, as large as the profile says the head's
+      deadline allows, padded rows filled and smaller runtimes merged while it
+      pays, and a request that can no longer meet its deadline even alone answered
+      ``evicted`` at once (``Plan.evict``; Triton's queue timeout). Ours, all of it:
+      the paper's per-instance queues cannot share a request between GPUs, ours
+      share every executable; the paper runs batch 1 and serves every request.
     * ``on_arrival`` records the length for the runtime scheduler and dispatches the
       request to an instance with the request scheduler (``dispatcher``: ``"arlo"``
-      = Alg. 1, ``"ilb"``, ``"ig"``); each instance has a FIFO queue.
-    * ``plan`` gives every idle instance (the caller's truth) the head of its queue,
-      up to the max batch (above), in ``Cell(batch_size_for(k), seq)`` with ``seq``
-      the instance's runtime's bucket (one runtime per instance) or the head
-      request's own bucket (runtime groups).
+      = Alg. 1, ``"ilb"``, ``"ig"``).
+    * ``plan`` gives idle instances (the caller's truth) batches as above.
     * Every callback first lets the runtime scheduler reallocate (``warmup``
       seconds after the first arrival, then every ``period``); an instance that switches runtime keeps its running batch, its
       queued requests are re-dispatched (nothing is lost), and with
@@ -131,8 +128,9 @@ class ArloPolicy(Policy):
       INFaaS-like baseline plugs its headroom allocator in here. ``dispatcher``
       is a name (``"arlo"``, ``"ilb"``, ``"ig"``) or a
       :class:`MultiLevelDispatcher` subclass (the bin-packing baseline).
-    * :meth:`_cell_for` is the one place a batch's executable is chosen (the
-      instance's runtime bucket); the DT baseline overrides it.
+    * :meth:`_cell_for` is the one place a batch's executable is chosen with one
+      runtime per instance (the instance's runtime bucket); the DT baseline
+      overrides it.
     * :meth:`metrics` reports instances per runtime, demotions, reallocations,
       allocation changes and scaling for ``/metrics``.
     """
@@ -189,8 +187,8 @@ class ArloPolicy(Policy):
             if hysteresis is not None:
                 common["hysteresis"] = hysteresis
             if self.shared:
-                model = GroupCostModel(profile, self.buckets, grid.batch_sizes, per_level, slo)
-                allocator = GroupScheduler(self.buckets, curves, slo, model, **common)
+                estimate = GroupCostModel(profile, self.buckets, grid.batch_sizes, per_level, slo)
+                allocator = GroupScheduler(self.buckets, curves, slo, estimate, **common)
             else:
                 allocator = RuntimeScheduler(self.buckets, curves, slo, **common)
         self.runtime = allocator
@@ -219,10 +217,9 @@ class ArloPolicy(Policy):
         self._queued = 0
         # runtime groups: one FIFO per (group, runtime), shared by the group's instances, and the
         # instance Alg. 1 charged each queued request to (class docstring)
-        self._profile = profile
-        self._latency_cache: dict[tuple[int, int], float] = {}
-        self._group_queues: dict[int, list[deque[Request]]] = {}
-        self._group_count: dict[int, int] = {}
+        self._cost_model = cost if isinstance(cost, CostModel) else CostModel({model: profile})
+        self._batchers: dict[int, DeadlineBatching] = {}  # group (its longest runtime) -> its queues
+        self._members: dict[int, dict[int, Request]] = {}  # group -> its queued requests by id
         self._owner: dict[int, int] = {}
         if instances < 1:
             raise ValueError("Arlo needs at least one instance")
@@ -308,46 +305,76 @@ class ArloPolicy(Policy):
 
     def plan(self, now: float, idle_instances: Sequence[int]) -> Plan:
         self._tick(now)
+        if self.shared:
+            return self._plan_groups(now, idle_instances)
         batches = []
         wake = _INF
         queues = self._queues
-        d = self.dispatcher
         for inst in idle_instances:
             queue = queues.get(inst)
-            if queue is None:
-                continue
-            if self.shared:
-                rt = d.level_of(inst)
-                if not self._group_count.get(rt):
-                    continue
-            elif not queue:
+            if not queue:
                 continue
             ready = self._ready_at[inst]
             if ready > now:
                 wake = min(wake, ready)
                 continue
-            rt = d.level_of(inst)
-            if self.shared:
-                level, taken = self._take_group_batch(rt, now)
-                for req in taken:  # the charge moves to the instance that runs it
-                    owner = self._owner.pop(req.id)
-                    if owner != inst:
-                        d.complete(owner, 1)
-                        d.charge(inst, 1)
-                own = d.deployed_level
-            else:
-                level, k = rt, min(len(queue), self.level_max_batch[rt])
-                taken = [queue.popleft() for _ in range(k)]
-                own = self.dispatcher.fitting_level
-            k = len(taken)
+            rt = self.dispatcher.level_of(inst)
+            k = min(len(queue), self.level_max_batch[rt])
+            taken = [queue.popleft() for _ in range(k)]
             self._queued -= k
+            own = self.dispatcher.fitting_level
             for req in taken:
                 self._running[req.id] = inst
                 if own(req.length) < rt:
                     self.counters.demotions += 1
             self.counters.served += k
-            batches.append(Batch(tuple(r.id for r in taken), self.model, self._cell_for(level, taken), inst))
+            batches.append(Batch(tuple(r.id for r in taken), self.model, self._cell_for(rt, taken), inst))
         return Plan(batches=tuple(batches), wake_at=wake)
+
+    def _plan_groups(self, now: float, idle_instances: Sequence[int]) -> Plan:
+        """Runtime groups: each group's batcher plans for the group's idle, ready instances."""
+        d = self.dispatcher
+        idle: dict[int, list[int]] = {}
+        wake = _INF
+        for inst in idle_instances:
+            if inst not in self._queues:
+                continue  # an inactive slot (scale pool)
+            level = d.level_of(inst)
+            if not self._members.get(level):
+                continue
+            ready = self._ready_at[inst]
+            if ready > now:
+                wake = min(wake, ready)
+                continue
+            idle.setdefault(level, []).append(inst)
+        batches: list[Batch] = []
+        evict: list[int] = []
+        for level, members in self._members.items():
+            if not members:
+                continue
+            plan = self._batchers[level].plan(now, idle.get(level, ()))
+            wake = min(wake, plan.wake_at)
+            for rid in plan.evict:
+                del members[rid]
+                d.complete(self._owner.pop(rid), 1)
+                self._arrival.pop(rid, None)
+                evict.append(rid)
+            for batch in plan.batches:
+                inst = batch.instance
+                for rid in batch.request_ids:
+                    req = members.pop(rid)
+                    owner = self._owner.pop(rid)
+                    if owner != inst:  # the charge moves to the instance that runs it
+                        d.complete(owner, 1)
+                        d.charge(inst, 1)
+                    self._running[rid] = inst
+                    if d.deployed_level(req.length) < level:
+                        self.counters.demotions += 1
+                self.counters.served += len(batch.request_ids)
+                batches.append(batch)
+        self._queued -= len(evict) + sum(len(b.request_ids) for b in batches)
+        self.counters.evicted += len(evict)
+        return Plan(batches=tuple(batches), evict=tuple(evict), wake_at=wake)
 
     def queue_depth(self) -> int:
         return self._queued + len(self._pending)
@@ -366,17 +393,15 @@ class ArloPolicy(Policy):
                     self._arrival.pop(request_id, None)
                     self.counters.withdrawn += 1
                     return True
-        for level, qs in self._group_queues.items():
-            for q in qs:
-                for r in q:
-                    if r.id == request_id:
-                        q.remove(r)
-                        self._queued -= 1
-                        self._group_count[level] -= 1
-                        self.dispatcher.complete(self._owner.pop(request_id), 1)
-                        self._arrival.pop(request_id, None)
-                        self.counters.withdrawn += 1
-                        return True
+        for level, members in self._members.items():
+            if request_id in members:
+                del members[request_id]
+                self._batchers[level].withdraw(request_id, now)
+                self._queued -= 1
+                self.dispatcher.complete(self._owner.pop(request_id), 1)
+                self._arrival.pop(request_id, None)
+                self.counters.withdrawn += 1
+                return True
         for r in self._pending:
             if r.id == request_id:
                 self._pending.remove(r)
@@ -384,74 +409,30 @@ class ArloPolicy(Policy):
                 return True
         return False
 
-    def _take_group_batch(self, group: int, now: float) -> tuple[int, list[Request]]:
-        """Runtime groups: the next batch of ``group``'s queues (class docstring, *Max batch*);
-        returns (runtime it runs in, requests). The group holds at least one request."""
-        qs = self._group_queues[group]
-        level = min((q[0].arrival, q[0].id, j) for j, q in enumerate(qs) if q)[2]
-        limit, sizes, seq = self.level_max_batch[level], self._level_sizes[level], self.buckets[level]
-        q = qs[level]
-        taken = [q.popleft() for _ in range(min(len(q), limit))]
-        shorter = [x for x in qs[:level] if x]
-        size = batch_size_for(len(taken), sizes)
-        while shorter:
-            # fill the padded rows (free), then grow one batch size while it pays
-            need = size - len(taken)
-            if need <= 0:
-                bigger = [b for b in sizes if b > size]
-                if not bigger:
-                    break
-                nxt = bigger[0]
-                t_now, t_next = self._latency(size, seq), self._latency(nxt, seq)
-                if now + t_next > taken[0].arrival + self.slo:
-                    break
-                picks = self._oldest(shorter, nxt - len(taken))
-                own = max(self.dispatcher.fitting_level(r.length) for r in picks)
-                alone = self._latency(batch_size_for(len(picks), self._level_sizes[own]), self.buckets[own])
-                if t_next - t_now > alone:
-                    break
-                size = nxt
-                need = nxt - len(taken)
-            picks = self._oldest(shorter, need)
-            if not picks:
-                break
-            for r in picks:
-                qs[self.dispatcher.fitting_level(r.length)].popleft()
-            taken.extend(picks)
-            shorter = [x for x in shorter if x]
-        self._group_count[group] -= len(taken)
-        return level, taken
-
-    @staticmethod
-    def _oldest(queues: list[deque[Request]], n: int) -> list[Request]:
-        """The ``n`` oldest requests at the heads of ``queues`` (each a FIFO), oldest first."""
-        picks = sorted((r for q in queues for r in islice(q, n)), key=lambda r: (r.arrival, r.id))
-        return picks[:n]
-
-    def _latency(self, batch: int, seq: int) -> float:
-        t = self._latency_cache.get((batch, seq))
-        if t is None:
-            t = self._latency_cache[(batch, seq)] = self._profile.latency_for(batch, seq)
-        return t
-
-    def _group_queue(self, level: int) -> list[deque[Request]]:
-        qs = self._group_queues.get(level)
-        if qs is None:
-            qs = self._group_queues[level] = [deque() for _ in self.buckets]
-            self._group_count[level] = 0
-        return qs
+    def _batcher(self, level: int) -> DeadlineBatching:
+        """The queues of the group whose longest runtime is ``level``: deadline batching over
+        runtimes ``0..level`` (a request demoted from a shorter group still runs in its own
+        bucket), batch sizes up to the largest max batch among them."""
+        b = self._batchers.get(level)
+        if b is None:
+            top = max(self.level_max_batch[: level + 1])
+            sizes = tuple(x for x in self.grid.batch_sizes if x <= top) or (self.grid.batch_sizes[0],)
+            grid = ShapeGrid(batch_sizes=sizes, seq_buckets=self.buckets[: level + 1])
+            b = self._batchers[level] = DeadlineBatching({self.model: grid}, self._cost_model,
+                                                         max_queue=1 << 62, max_wait=0.0)
+            self._members[level] = {}
+        return b
 
     def _unqueue_groups(self) -> list[Request]:
-        """Take every request out of the group queues, uncharging their instances."""
+        """Take every request out of the groups' queues, uncharging their instances."""
         out: list[Request] = []
         d = self.dispatcher
-        for level, qs in self._group_queues.items():
-            for q in qs:
-                for req in q:
-                    d.complete(self._owner.pop(req.id), 1)
-                out.extend(q)
-                q.clear()
-            self._group_count[level] = 0
+        for members in self._members.values():
+            for rid, req in members.items():
+                d.complete(self._owner.pop(rid), 1)
+                out.append(req)
+        self._batchers.clear()  # emptied: the next request of a group starts a fresh one
+        self._members.clear()
         self._queued -= len(out)
         return out
 
@@ -467,7 +448,7 @@ class ArloPolicy(Policy):
             yield "instances", {"runtime": str(seq)}, n
         c = self.counters
         for name in ("dispatched", "served", "demotions", "reallocations", "allocation_changes",
-                     "instances_moved", "redispatched", "withdrawn"):
+                     "instances_moved", "redispatched", "withdrawn", "evicted"):
             yield name, {}, getattr(c, name)
         outs = sum(1 for d in c.scale_decisions if d.action == "out")
         yield "scale_decisions", {"action": "out"}, outs
@@ -509,20 +490,19 @@ class ArloPolicy(Policy):
         self.instance_log.append((now, len(self._queues)))
 
     # -- internals -------------------------------------------------------------------
-    def _enqueue(self, inst: int, request: Request) -> deque[Request]:
-        """Queue ``request``, charged to ``inst``: on ``inst``'s FIFO, or on its group's FIFO
-        for the request's runtime (runtime groups). Returns that FIFO."""
+    def _enqueue(self, inst: int, request: Request) -> deque[Request] | None:
+        """Queue ``request``, charged to ``inst``: on ``inst``'s FIFO (returned), or in the
+        queues of ``inst``'s group (runtime groups; ``None``)."""
         self._queued += 1
         if not self.shared:
             q = self._queues[inst]
-        else:
-            d = self.dispatcher
-            level = d.level_of(inst)
-            q = self._group_queue(level)[d.fitting_level(request.length)]
-            self._group_count[level] += 1
-            self._owner[request.id] = inst
-        q.append(request)
-        return q
+            q.append(request)
+            return q
+        level = self.dispatcher.level_of(inst)
+        self._batcher(level).on_arrival(request, request.arrival)
+        self._members[level][request.id] = request
+        self._owner[request.id] = inst
+        return None
 
     def _place(self, request: Request) -> int | None:
         inst = self.dispatcher.dispatch(request.length)
@@ -542,7 +522,8 @@ class ArloPolicy(Policy):
                 self._pending.append(req)
                 continue
             q = self._enqueue(inst, req)
-            touched[id(q)] = q
+            if q is not None:
+                touched[id(q)] = q
         for q in touched.values():  # keep every queue FIFO by arrival
             items = sorted(q, key=lambda r: (r.arrival, r.id))
             q.clear()
