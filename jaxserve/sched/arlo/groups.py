@@ -12,7 +12,9 @@ fifth or more of the requests late at 30 % load).
 So, deliberately unlike the paper, instances serve **runtime groups**: the runtimes are cut into
 contiguous ranges of buckets, each range gets ``N_g >= 1`` instances, and an instance of a group
 runs every runtime of its range, each batch in its own requests' bucket (no padding beyond the
-bucket). The allocation is still "instances per runtime" (:class:`~.allocation.Allocation`'s
+bucket). Inside a group the requests wait in shared per-runtime queues and are batched by the
+project's deadline-aware batching (:class:`~jaxserve.sched.batching.DeadlineBatching`); see
+:class:`~jaxserve.sched.arlo.policy.ArloPolicy`. The allocation is still "instances per runtime" (:class:`~.allocation.Allocation`'s
 ``counts``): a group's instances sit on its *longest* runtime, and the deployed runtimes delimit
 the groups (runtime ``i`` belongs to the first deployed runtime ``>= i``), so the replacement
 plan (§4), Alg. 1's levels (§3.4: "demotion" is to the next group, and costs no padding) and
@@ -37,7 +39,11 @@ request rates ``lambda_s`` (from the sliding window, per bucket ``s`` of the gro
 
 Pooling (one group, many instances: small ``W``) and concentration (one bucket's requests on few
 instances: fuller batches) pull in opposite directions; the exact DP over contiguous ranges
-(:func:`solve_groups`) decides. ``B_s``, the largest batch of runtime ``s``, comes from the profile
+(:func:`solve_groups`) decides. Measured: while the instances keep up it chooses one group of every
+runtime (every cell of bench/RESULTS.md ``arlo_short``); it splits only when a group would be
+overloaded. With one group, Arlo's deployment is the default batching's (every instance serves every
+runtime from shared per-runtime queues), so on this machine Arlo matches the default batching and
+cannot beat it: the paper's gains come from partitioning GPUs that cannot hold every runtime. ``B_s``, the largest batch of runtime ``s``, comes from the profile
 (:func:`profile_max_batch`): the paper's runtimes take a max batch (§3.3, ``L_i`` maps the batch
 size to the latency) and fix it at 1 (§5); here it is as large as the SLO allows.
 """
