@@ -24,8 +24,10 @@ warmup: install
 serve: warmup
 	$(BIN)/jaxserve serve --host 127.0.0.1 --port 8000
 
+# the suite, then the HTTP tests again with every server's workers as Ray actors (--workers ray)
 test: install
 	$(BIN)/python -m pytest -q
+	JAXSERVE_TEST_WORKERS=ray $(BIN)/python -m pytest -q tests/test_server.py tests/test_otas_serving.py
 
 clean-cache:
 	rm -rf compiled_cache/xla compiled_cache/executables compiled_cache/manifest.json compiled_cache/cost_model.json

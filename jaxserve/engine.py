@@ -544,14 +544,15 @@ class Engine:
                 p.cell, p.batch_size = batch.cell.label(), len(pendings)
                 p.carry = None if out.carry is None else (out.carry, i)
                 p.outputs = None if out.items is None else out.items[i]
+            try:  # before the answers: what the policy decides here (OTAS' outcome type) goes into them
+                self.policy.on_completion(batch, now, {p.request.id: s for p, s in zip(pendings, summaries)})
+            except Exception:
+                log.exception("policy.on_completion failed")
+            for p in pendings:
                 if batch.final:
                     self._answer(p, now)
                 elif not p.future.done():  # not answered meanwhile (its client may have left)
                     self._held[p.request.id] = p
-            try:
-                self.policy.on_completion(batch, now, {p.request.id: s for p, s in zip(pendings, summaries)})
-            except Exception:
-                log.exception("policy.on_completion failed")
         self._schedule()
         if not self._queued and not self._held and not any(self._running.values()):
             self._busy_since = None  # idle: the next busy spell measures its own rate

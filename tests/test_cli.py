@@ -222,7 +222,7 @@ def test_simulate_runs_the_otas_policies_on_synthetic_traces(tmp_path):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["serve", "--instances", "0"], "argument --instances: expected an integer >= 1, got '0'"),
+    (["serve", "--instances", "0"], "argument --instances/--num-workers: expected an integer >= 1, got '0'"),
     (["serve", "--max-queue", "-3"], ">= 1"),
     (["serve", "--port", "99999"], "0..65535"),
     (["serve", "--api-key", "short"], "--api-key: expected at least 8 visible ASCII"),
