@@ -102,7 +102,7 @@ def build(name: str, cfg, ckpt_root: Path, epochs: int, cache, log=print):
     loads = []  # switching cost: restore weights + load every executable from the compile cache
     for _ in range(3):
         t0 = time.perf_counter()
-        load_checkpoint(ckpt)
+        load_vit_checkpoint(ckpt)
         PolymorphTable(vit_servable(name, cfg, grid, "replace", repo.num_classes), cache).warmup()
         loads.append(time.perf_counter() - t0)
     params = sum(int(np.prod(x.shape)) for x in __import__("jax").tree.leaves(weights_of(model)))

@@ -52,7 +52,7 @@ from typing import Any, Callable, Sequence
 
 from jaxserve.compile_cache import compile_count
 from jaxserve.runtime import ModelRuntime
-from jaxserve.sched.base import Batch, PlacementChange, Plan, Policy, Request, Stage, StepSummary, WorkerView
+from jaxserve.sched.base import Batch, PlacementChange, Plan, Policy, Request, Stage, WorkerView
 from jaxserve.workers import Step, StepOutput, ThreadWorker, Worker, summarize
 
 log = logging.getLogger("jaxserve.engine")

@@ -10,7 +10,7 @@ from jaxserve.engine import Answer, Draining, Engine, ExecutionFailed, Item, Ove
 from jaxserve.models.bert import BERT_CONFIGS, BertConfig, init_bert
 from jaxserve.polymorph import PolymorphTable
 from jaxserve.runtime import TextRuntime
-from jaxserve.sched.base import Cell, CostModel, LatencyProfile, ShapeGrid
+from jaxserve.sched.base import CostModel, LatencyProfile, ShapeGrid
 from jaxserve.sched.batching import DeadlineBatching
 from jaxserve.servables import bert_servable, weights_of
 

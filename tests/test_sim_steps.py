@@ -10,11 +10,12 @@ import math
 import numpy as np
 import pytest
 
-from jaxserve.sched.base import (Batch, Cell, CostModel, LatencyProfile, PlacementChange, Plan, Policy, ShapeGrid,
+from jaxserve.sched.base import (Batch, Cell, CostModel, LatencyProfile, PlacementChange, Plan, ShapeGrid,
                                  Stage, StepSummary)
 from jaxserve.sched.pipeline import PipelineBatching
 from jaxserve.simulator import OUTCOMES, Transfer, simulate
 from jaxserve.traces import make_trace
+from support import SmallThenBig
 
 INF = math.inf
 S0, S1 = Stage("m", 0, 2, 4), Stage("m", 2, 4, 4)
@@ -71,49 +72,11 @@ def test_a_held_request_whose_client_leaves_is_withdrawn_between_steps():
     assert OUTCOMES[r.outcome[0]] == "withdrawn" and r.finish[0] == 2.0
 
 
-class Cascade(Policy):
-    """Small model first; finish when it is confident, else the big model (a test policy)."""
-
-    def __init__(self, threshold=0.9):
-        self.threshold = threshold
-        self.queue: list[int] = []
-        self.escalated: list[int] = []
-        self.seen: dict[int, StepSummary] = {}
-
-    def on_arrival(self, request, now):
-        self.queue.append(request.id)
-
-    def queue_depth(self):
-        return len(self.queue)
-
-    def on_completion(self, batch, now, summaries=None):
-        if batch.model == "small" and summaries:
-            self.seen.update(summaries)
-
-    def withdraw(self, request_id, now):
-        return False
-
-    def plan(self, now, idle):
-        finish = [r for r, s in self.seen.items() if s.top_probability >= self.threshold]
-        big = [r for r, s in self.seen.items() if s.top_probability < self.threshold]
-        self.seen = {}
-        self.escalated += big
-        batches, idle = [], list(idle)
-        for r in big:
-            batches.append(Batch((r,), "big", Cell(1), idle.pop(0), final=True))
-            if not idle:
-                break
-        self.escalated_pending = big[len(batches):]
-        while self.queue and idle:
-            batches.append(Batch((self.queue.pop(0),), "small", Cell(1), idle.pop(0), final=False))
-        return Plan(tuple(batches), finish=tuple(finish))
-
-
 def test_a_cascade_finishes_confident_requests_early_and_sends_the_rest_on():
     cost = CostModel({"small": LatencyProfile("small", {Cell(1): 1.0}),
                       "big": LatencyProfile("big", {Cell(1): 3.0})})
     trace = make_trace([0.0, 10.0], model="small", slo_s=[INF, INF])
-    policy = Cascade()
+    policy = SmallThenBig(threshold=0.9)
     r = simulate(policy, trace, cost, instances=1,
                  summary_of=lambda rid, batch: StepSummary(0.95 if rid == 0 else 0.5, "x"))
     assert [OUTCOMES[o] for o in r.outcome] == ["ok", "ok"]

@@ -14,10 +14,11 @@ import pytest
 
 from jaxserve.engine import Answer, Engine, ExecutionFailed, Item
 from jaxserve.registry import load_image_runtime, load_text_runtime
-from jaxserve.sched.base import Batch, Cell, PlacementChange, Plan, Policy, ShapeGrid, Stage
+from jaxserve.sched.base import PlacementChange, Plan, ShapeGrid, Stage
 from jaxserve.sched.pipeline import PipelineBatching
 from jaxserve.stages import build_stage_runtimes, split_stages
 from jaxserve.workers import ThreadWorker
+from support import SmallThenBig
 
 GRID = ShapeGrid(batch_sizes=(1, 4), seq_buckets=(16, 32))
 SENTENCES = ["the flight was late again", "great service, thank you!", "lost my bag at the airport",
@@ -109,47 +110,13 @@ def test_held_requests_can_be_withdrawn_and_evicted_between_steps(text):
     assert engine.stats.outcomes["withdrawn"] == 1
 
 
-class SmallFirst(Policy):
-    """A two-model cascade: every request runs on "small"; confident ones finish there, the
-    rest go on to "big" (a test policy; Tabi's is the real one)."""
-
-    def __init__(self, threshold):
-        self.threshold = threshold
-        self.queue, self.next, self.done = [], [], []
-        self.summaries = {}
-
-    def on_arrival(self, request, now):
-        self.queue.append(request.id)
-
-    def queue_depth(self):
-        return len(self.queue)
-
-    def on_completion(self, batch, now, summaries=None):
-        if batch.model == "small" and summaries:
-            self.summaries.update(summaries)
-            for rid, s in summaries.items():
-                (self.done if s.top_probability >= self.threshold else self.next).append(rid)
-
-    def plan(self, now, idle):
-        idle = list(idle)
-        batches = []
-        if self.next and idle:
-            ids, self.next = self.next[:4], self.next[4:]
-            batches.append(Batch(tuple(ids), "big", Cell(4), idle.pop(0), final=True))
-        if self.queue and idle:
-            ids, self.queue = self.queue[:4], self.queue[4:]
-            batches.append(Batch(tuple(ids), "small", Cell(4), idle.pop(0), final=False))
-        finish, self.done = tuple(self.done), []
-        return Plan(tuple(batches), finish=finish)
-
-
 def test_a_cascade_finishes_confident_requests_with_the_small_models_answer():
     rt = load_image_runtime("vit-demo", None, ShapeGrid((4,)), tune=False)
     rng = np.random.default_rng(0)
     images = [rng.random(rt.image_shape, dtype=np.float32) for _ in range(8)]
 
     async def scenario(threshold):
-        policy = SmallFirst(threshold)
+        policy = SmallThenBig(threshold, batch=4)
         engine = Engine({"small": rt, "big": rt}, policy, instances=2)
         answers = await asyncio.gather(*engine.submit([Item("small", im, task="digits") for im in images]))
         engine.close()
