@@ -482,7 +482,7 @@ def test_make_otas_policy_refuses_an_accuracy_profile_with_holes():
     policy = make_otas_policy("otas", {"vit": _Runtime(ACCP)}, cost)
     policy.on_arrival(req(0, 0.0, task="c100"), 0.0)
     assert [b.request_ids for b in policy.plan(0.0, [0]).batches] == [(0,)]
-    # where the profile came from decides whether a reload may replace it (serving.server.reload_assets)
+    # where the profile came from decides whether a reload may replace it (jaxserve.launch.reload_assets)
     assert policy.accuracy_source == "repository"
     profiled = CostModel(latency={"vit": LAT}, accuracy={"vit": ACCP})
     assert make_otas_policy("otas", {"vit": _Runtime(None)}, profiled).accuracy_source == "cost model"

@@ -521,7 +521,7 @@ class SelectiveBatchingPolicy(Policy):
 
     def use_accuracy(self, accuracy: AccuracyProfile) -> None:
         """Plan with ``accuracy`` from the next decision on: a reloaded prompt repository's
-        profile (``serving.server.reload_assets``, which checks it with :func:`check_coverage`
+        profile (``jaxserve.launch.reload_assets``, which checks it with :func:`check_coverage`
         first). Batches already dispatched keep the accuracy they were priced with."""
         p = self._pricer
         self._pricer = _Pricer(p.model, p.latency, accuracy, p.grid, p.gammas)
