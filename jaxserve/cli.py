@@ -25,6 +25,8 @@ from tqdm import tqdm
 from jaxserve import traces
 from jaxserve.compile_cache import CacheDirError, CompileCache, check_cache_root, compile_count
 from jaxserve.launch import (
+    IMAGE_MODELS,
+    KNOWN_MODELS,
     MODELS,
     ServeSettings,
     default_cost_model_path,
@@ -245,8 +247,14 @@ def _image_gammas(args) -> tuple[int, ...]:
     if getattr(args, "gammas", None):
         return args.gammas
     if getattr(args, "policy", None) in IMAGE_POLICIES or getattr(args, "accuracy", False):
-        return OTAS_GAMMAS["vit-demo"]
+        return OTAS_GAMMAS[_image_model(args)]
     return (0,)
+
+
+def _image_model(args) -> str:
+    """The image model asked for (--model), else the demo ViT: whose OTAS gamma list applies."""
+    asked = [m for m in (getattr(args, "model", None) or ()) if m in IMAGE_MODELS]
+    return asked[0] if asked else "vit-demo"
 
 
 def _otas_extra(args) -> dict:
@@ -275,7 +283,7 @@ def cmd_serve(args) -> int:
 
     if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
         raise CliError("--ssl-certfile and --ssl-keyfile go together: HTTPS needs both")
-    for family, only in ((TEXT_STREAM_POLICIES, "minilm-l6"), (IMAGE_POLICIES, "vit-demo")):
+    for family, only in ((TEXT_STREAM_POLICIES, "minilm-l6"), (IMAGE_POLICIES, _image_model(args))):
         if args.policy in family and _models(args) != (only,):  # before binding and warming, not after
             raise CliError(f"--policy {args.policy} serves exactly one model, {only} (--model {only}); "
                            f"got {', '.join(_models(args))}")
@@ -512,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
                              "--policy otas|pets|tome|vpt or profile --accuracy, else 0)")
 
     def common(sp):
-        sp.add_argument("--model", action="append", choices=MODELS, help="repeatable; default: all")
+        sp.add_argument("--model", action="append", choices=KNOWN_MODELS,
+                        help=f"repeatable; default: {', '.join(MODELS)}")
         sp.add_argument("--cache-dir", type=_cache_dir, default="compiled_cache")
         sp.add_argument("--precision", default="f32", choices=PRECISIONS,
                         help="dense-layer matmuls: f32, or bf16 weights with f32 accumulation (fast on CPUs "

