@@ -30,7 +30,7 @@ serve: warmup
 # the suite, then the HTTP tests again with every server's workers as Ray actors (--workers ray)
 test: install
 	$(BIN)/python -m pytest -q
-	JAXSERVE_TEST_WORKERS=ray $(BIN)/python -m pytest -q tests/test_server.py tests/test_otas_serving.py
+	JAXSERVE_TEST_WORKERS=ray $(BIN)/python -m pytest -q tests/integration/test_server.py tests/integration/test_otas_serving.py
 
 clean-cache:
 	rm -rf compiled_cache/xla compiled_cache/executables compiled_cache/manifest.json compiled_cache/cost_model.json

@@ -464,7 +464,7 @@ def cmd_demo(args) -> int:
 
 def train_prompts_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``jaxserve train-prompts``; the defaults are
-    jaxserve.prompt_training.PromptSettings' (tests/test_prompts.py checks)."""
+    jaxserve.prompt_training.PromptSettings' (tests/integration/test_prompts.py checks)."""
     parser.add_argument("--out", default=None, help="repository directory (default: jaxserve/assets/vit-demo-prompts)")
     parser.add_argument("--tasks", default="digits,parity,inverted", help="subset of digits,parity,inverted")
     parser.add_argument("--prompts", default=(2, 4, 8), type=_int_list(1), help="prompt counts P > 0 to train (P = 0 always)")

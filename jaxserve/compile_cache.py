@@ -302,7 +302,7 @@ class CompileCache:
     executable of P it serializes (that one, or even a fresh compile of P afterwards)
     is written without its kernels: the next process that loads it fails at run time
     with ``NOT_FOUND: Function <fusion> not found`` (reproduced in
-    tests/test_compile_cache.py). It happens whenever serialized entries are missing
+    tests/integration/test_compile_cache.py). It happens whenever serialized entries are missing
     while the XLA cache still holds the programs: a jaxserve upgrade that changes the
     keys, a corrupt entry rebuilt, an ``executables/`` folder removed. So:
 

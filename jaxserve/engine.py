@@ -12,7 +12,7 @@ per-request summary of the outputs (``Policy.on_completion``), and trigger the n
 plan. Every policy call happens on the loop thread, so policies need no locks and
 stay plain Python.
 
-Guarantees (tested through HTTP in tests/test_server.py and tests/test_steps.py):
+Guarantees (tested through HTTP in tests/integration/test_server.py, and in tests/integration/test_steps.py):
 
 * every accepted item gets exactly one answer: ``ok``, ``late``, ``evicted`` or an error,
   however many steps it takes;

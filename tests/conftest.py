@@ -7,6 +7,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+ROOT = Path(__file__).parent.parent  # the repository
 FIXTURES = Path(__file__).parent / "fixtures"
 
 

@@ -11,7 +11,7 @@ the 2-core Xeon here (same process, same minute).
 Measured on all-MiniLM-L6-v2 (time bf16 / f32, 2-core Xeon with AMX; interleaved in one run,
 and across the two bench/peer.py tables): 8x64 0.41-0.51, 32x32 0.36-0.41, 8x256 0.54-0.55,
 32x256 0.75-0.76 (attention, still float32, takes a growing share as sequences grow).
-Sentence embeddings keep cosine >= 0.9999 to the float32 ones (tests/test_precision.py checks
+Sentence embeddings keep cosine >= 0.9999 to the float32 ones (tests/integration/test_precision.py checks
 the real checkpoint on the parity sentences; bench/peer.py --precision bf16 reports it per
 cell). A CPU without bf16 dot units runs these dots slower than float32: the mode is opt-in
 (``jaxserve warmup/serve --precision bf16``), never the default.

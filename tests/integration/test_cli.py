@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
 from jaxserve.sched.base import Cell, CostModel, LatencyProfile
 
 
@@ -261,7 +262,7 @@ def test_what_a_run_finds_wrong_is_one_line_not_a_traceback(tmp_path):
     tests_dir_mode = Path(__file__).parent.stat().st_mode
     (tmp_path / "empty.json").write_text("{}")
     for argv, needle in [
-        (["simulate", "--cost-model", str(Path(__file__).parent.parent / "README.md")], "not a jaxserve cost model"),
+        (["simulate", "--cost-model", str(ROOT / "README.md")], "not a jaxserve cost model"),
         (["simulate", "--cost-model", str(tmp_path / "empty.json")], "KeyError: 'latency'"),
         (["warmup", "--model", "vit-demo", "--gammas=0,3", "--batch-sizes", "1", "--cache-dir", str(tmp_path / "c")],
          "lacks [('digits', 3)"),

@@ -19,7 +19,7 @@ from jaxserve.profiler import save_cost_model
 from jaxserve.registry import vit_demo_prompts_dir
 from jaxserve.sched.base import CostModel, LatencyProfile, ShapeGrid
 from jaxserve.launch import ServeSettings
-from test_server import LiveServer
+from support import LiveServer
 
 GRID = ShapeGrid(batch_sizes=(4,), gammas=(-2, 0, 2))
 TASK_LABELS = {"digits": [str(i) for i in range(10)], "parity": ["even", "odd"], "inverted": [str(i) for i in range(10)]}

@@ -27,7 +27,7 @@ from jaxserve.registry import load_image_runtime
 from jaxserve.sched.base import Cell, ShapeGrid
 from jaxserve.servables import bert_servable, weights_of
 from jaxserve.launch import ServeSettings
-from test_server import LiveServer
+from support import LiveServer
 
 TINY = BERT_CONFIGS["bert-tiny-test"]
 

@@ -15,7 +15,7 @@ import httpx
 
 from jaxserve.launch import ServeSettings
 from jaxserve.sched.base import ShapeGrid
-from test_server import LiveServer
+from support import LiveServer
 
 GRID = ShapeGrid(batch_sizes=(1, 4), seq_buckets=(16,))
 

@@ -5,68 +5,23 @@ from __future__ import annotations
 import base64
 import concurrent.futures as cf
 import contextlib
-import dataclasses
 import io
 import json
-import os
 import socket
-import ssl
 import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 
 from conftest import FIXTURES
 from jaxserve.launch import ServeSettings
 from jaxserve.sched.base import ShapeGrid
-from serving.server import build_app, uvicorn_config
+from support import LiveServer, _ready, _series, _until, free_port
 
 TEXT_GRID = ShapeGrid(batch_sizes=(1, 4), seq_buckets=(16, 64))
 IMAGE_GRID = ShapeGrid(batch_sizes=(1, 4))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# Where the servers these tests start run their steps: "thread" (the default) or "ray"
-# (`make test` runs the HTTP tests a second time with JAXSERVE_TEST_WORKERS=ray)
-TEST_WORKERS = os.environ.get("JAXSERVE_TEST_WORKERS", "thread")
-
-
-class LiveServer:
-    def __init__(self, settings: ServeSettings):
-        if settings.workers == "thread" and TEST_WORKERS != "thread" and settings.policy != "dt":
-            settings = dataclasses.replace(settings, workers=TEST_WORKERS)
-        self.port = free_port()
-        self.app = build_app(settings)
-        self.server = uvicorn.Server(uvicorn_config(self.app, port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = f"{'https' if settings.ssl_certfile else 'http'}://127.0.0.1:{self.port}"
-        # the client trusts the server's own (self-signed) certificate, and nothing else
-        self.verify = ssl.create_default_context(cafile=settings.ssl_certfile) if settings.ssl_certfile else True
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 300
-        with httpx.Client(base_url=self.url, verify=self.verify) as c:
-            while time.monotonic() < deadline:
-                try:
-                    if c.get("/readyz").status_code == 200:
-                        return self
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
-        raise RuntimeError("server did not become ready")
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(60)
 
 
 @pytest.fixture(scope="module")
@@ -380,29 +335,6 @@ def test_every_request_gets_exactly_one_answer_under_overload(server):
     assert "jaxserve_compilations_since_ready 0.0" in m
     assert 'jaxserve_requests_total{path="/v1/embeddings",status="429"}' in m
     assert metrics_before != m
-
-
-def _series(url: str, prefix: str) -> float | None:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(prefix + " "):
-            return float(line.split()[-1])
-    return None
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/readyz", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
-def _until(what, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if what():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_a_client_that_leaves_gets_its_queued_items_withdrawn(tmp_path):

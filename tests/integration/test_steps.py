@@ -2,7 +2,7 @@
 a pipeline of MiniLM layer ranges on two thread workers, a cascade that finishes confident
 requests early, held requests withdrawn or evicted, placement changes carried out, and a
 failing worker's step retried on another that holds its stage. The same policy objects
-run in the simulator (tests/test_sim_steps.py)."""
+run in the simulator (tests/unit/test_sim_steps.py)."""
 
 from __future__ import annotations
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-FIXTURES = Path(__file__).parent / "fixtures"
+from conftest import FIXTURES
 
 
 def _generator():
