@@ -356,8 +356,13 @@ def test_a_server_stopped_while_it_warms_exits_without_finishing_the_grid(tmp_pa
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cache = tmp_path / "c"
-    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--model", "minilm-l6", "--port",
-                             str(port), "--cache-dir", str(cache)], stdout=subprocess.DEVNULL,
+    # The child starts with SIGINT's default disposition whatever this runner inherited (a shell's
+    # background job ignores SIGINT, and an ignored signal stays ignored across exec): a caught
+    # handler set before exec becomes SIG_DFL in the new program.
+    serve = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", "minilm-l6", "--port", str(port),
+             "--cache-dir", str(cache)]
+    reset = "import os, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); os.execv(sys.argv[1], sys.argv[1:])"
+    proc = subprocess.Popen([sys.executable, "-c", reset, *serve], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     try:
         deadline = time.monotonic() + 120
