@@ -18,7 +18,7 @@ import pytest
 
 from jaxserve.sched.base import Cell, CostModel, LatencyProfile, ShapeGrid
 from jaxserve.launch import ServeSettings
-from test_server import LiveServer
+from support import LiveServer
 
 BUCKETS = (16, 32, 64)
 GRID = ShapeGrid(batch_sizes=(1,), seq_buckets=BUCKETS)
@@ -61,14 +61,15 @@ def metric(text: str, name: str, labels: str = "") -> float:
 
 
 def test_arlo_answers_everything_once_across_reallocations(workdir):
-    """Two waves of short requests, a Runtime-Scheduler period apart: the policy moves an
-    instance to the short runtime while requests are queued, and every item is answered."""
+    """Two waves of short requests, a Runtime-Scheduler period apart: one runtime group of every
+    bucket serves them (each item in its own bucket, on whichever instance is idle), the groups are
+    re-solved while requests are queued, and every item is answered exactly once."""
     with LiveServer(settings(workdir, "arlo", arlo_period_s=0.3)) as server:
         models = httpx.get(server.url + "/v1/models").json()
         assert models["policy"] == "ArloPolicy"
         m0 = httpx.get(server.url + "/metrics").text
-        assert sum(metric(m0, "jaxserve_policy_instances", f'{{runtime="{b}"}}') for b in BUCKETS) == 2
-        assert metric(m0, "jaxserve_policy_instances", '{runtime="16"}') == 0  # even start: 0, 1, 1
+        assert metric(m0, "jaxserve_policy_instances", '{runtime="64"}') == 2  # one group of every runtime
+        assert metric(m0, "jaxserve_policy_instances", '{runtime="16"}') == 0
 
         first = [{"input": [words(3 + i % 10)] * (1 + i % 3)} for i in range(60)]
         results = post_all(server.url, first)
@@ -76,25 +77,29 @@ def test_arlo_answers_everything_once_across_reallocations(workdir):
         second = [{"input": [words(3 + i % 10), words(40)][: 1 + i % 2]} for i in range(60)]
         results += post_all(server.url, second)
 
-        sent_items = sum(len(b["input"]) for b in first + second)
+        sent = [text for b in first + second for text in b["input"]]
         assert [code for code, _ in results] == [200] * len(results)
         items = [d for _, body in results for d in body["data"]]
-        assert len(items) == sent_items
-        assert {d["meta"]["outcome"] for d in items} <= {"ok", "late"}
-        assert all(len(d["embedding"]) == 384 for d in items)
-        assert all(int(d["meta"]["shape"].split("_s")[1].split("_")[0]) in BUCKETS for d in items)
+        assert len(items) == len(sent)
+        # evicted: its deadline could no longer be met (a busy machine against the synthetic profile)
+        assert {d["meta"]["outcome"] for d in items} <= {"ok", "late", "evicted"}
+        computed = [(d, text) for d, text in zip(items, sent) if d["meta"]["outcome"] != "evicted"]
+        assert len(computed) >= len(sent) // 2
+        assert all(len(d["embedding"]) == 384 for d, _ in computed)
+        for d, text in computed:  # never padded beyond its own bucket
+            tokens = len(text.split()) + 2
+            assert int(d["meta"]["shape"].split("_s")[1].split("_")[0]) == min(b for b in BUCKETS if b >= tokens)
 
         m = httpx.get(server.url + "/metrics").text
         assert metric(m, "jaxserve_compilations_since_ready") == 0
-        assert metric(m, "jaxserve_policy_served") == sent_items
+        assert metric(m, "jaxserve_policy_served") == len(computed)
+        assert metric(m, "jaxserve_policy_evicted") == len(sent) - len(computed)
         assert metric(m, "jaxserve_policy_queued") == 0
         assert metric(m, "jaxserve_policy_reallocations") >= 1
-        assert metric(m, "jaxserve_policy_allocation_changes") >= 1
-        assert metric(m, "jaxserve_policy_instances", '{runtime="16"}') >= 1  # short traffic won an instance
         assert sum(metric(m, "jaxserve_policy_instances", f'{{runtime="{b}"}}') for b in BUCKETS) == 2
-        assert metric(m, "jaxserve_policy_demotions") >= 1  # the first wave ran on longer runtimes
+        assert metric(m, "jaxserve_policy_demotions") == 0
         items_by_outcome = sum(float(x) for x in re.findall(r'^jaxserve_items\{outcome="\w+"\} ([0-9.]+)$', m, re.M))
-        assert items_by_outcome == sent_items
+        assert items_by_outcome == len(sent)
 
 
 # ST and INFaaS-like differ from Arlo only inside the policy (tests/test_arlo_baselines.py builds them through
