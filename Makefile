@@ -1,7 +1,9 @@
 # The two set-up commands of the README:
-#   make serve   install, warm the compile cache, start the server on 127.0.0.1:8000
+#   make serve   install, warm the compile cache, start the server on 127.0.0.1:8000 (PORT=..., HOST=...)
 #   make test    install, run the test suite
 PYTHON ?= python3
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
@@ -25,7 +27,7 @@ warmup: install
 	$(BIN)/jaxserve warmup
 
 serve: warmup
-	$(BIN)/jaxserve serve --host 127.0.0.1 --port 8000
+	$(BIN)/jaxserve serve --host $(HOST) --port $(PORT)
 
 # the suite, then the HTTP tests again with every server's workers as Ray actors (--workers ray)
 test: install

@@ -398,7 +398,14 @@ def cmd_simulate(args) -> int:
                       batch_overhead=args.batch_overhead_ms / 1e3, seed=args.seed,
                       client_timeout=args.client_timeout_ms / 1e3 if args.client_timeout_ms else math.inf)
     wall = time.perf_counter() - t0
-    summary = result.summary()
+    summary = {}
+    for key, value in result.summary().items():  # every figure names its unit
+        if key in ("mean_latency", "p50", "p98", "p99"):
+            summary[f"{key}_ms"] = value * 1e3
+        elif key in ("throughput", "goodput"):
+            summary[f"{key}_per_s"] = value
+        else:
+            summary[key] = value
     summary["wall_seconds"] = wall
     summary["simulated_requests_per_minute"] = len(trace) / wall * 60
     print(json.dumps(summary, indent=1, default=float))
@@ -497,9 +504,23 @@ def cmd_train_prompts(args) -> int:
     return 0
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Each flag's help ends with its default, where it has one and the help does not say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.default is not None and action.default is not False and action.default != argparse.SUPPRESS
+                and "default" not in text
+                and action.option_strings):  # (flags without help get theirs in main)
+            text += " (default: %(default)s)"
+        return text
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="jaxserve", description=__doc__.replace("``", ""))
     sub = p.add_subparsers(dest="command", required=True)
+    _add_parser = sub.add_parser
+    sub.add_parser = lambda *a, **kw: _add_parser(*a, formatter_class=_DefaultsHelp, **kw)  # every command's help
 
     def served(sp):
         sp.add_argument("--heads-dir", type=_heads_dir, default=None,
@@ -644,6 +665,11 @@ def main(argv: list[str] | None = None) -> int:
     served(sp)
     sp.set_defaults(fn=cmd_demo)
 
+    for command in sub.choices.values():  # flags with no help text still show their default
+        for action in command._actions:
+            if action.help is None and action.option_strings and action.default is not None \
+                    and action.default is not False:
+                action.help = "(default: %(default)s)"
     args = p.parse_args(argv)
     try:
         return args.fn(args)
