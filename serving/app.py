@@ -90,6 +90,7 @@ class ServerState:
     created: float = field(default_factory=time.time)  # wall clock, for OpenAI's model "created"
     info: dict[str, Any] = field(default_factory=dict)
     reload: Any = None  # engine -> report: re-read the task assets (jaxserve.launch.reload_assets); None: not offered
+    drained: bool | None = None  # at shutdown: True when everything accepted was answered; None: no drain ran
 
 
 def _path_label(scope, routes=()) -> str:

@@ -84,7 +84,7 @@ def build_app(settings: ServeSettings, on_warmup_error: Callable[[], None] | Non
         stopping.set()  # without it, Ctrl-C while warming waited for the whole grid (42 s for MiniLM's)
         task.cancel()
         if state.engine is not None:
-            drained = await state.engine.drain()
+            drained = state.drained = await state.engine.drain()
             log.info("drained (%s)", "clean" if drained else "timed out")
             state.engine.close()
 
@@ -306,12 +306,21 @@ def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, ac
         log.error("cannot listen on %s:%d; nothing was warmed", host, port)
         raise
     server = graceful_server(config, app)
+    # uvicorn re-raises the SIGTERM it handled once its shutdown is done, to whatever handler was
+    # there before it: this one notes it, so a clean drain exits 0 (not 143, which make and
+    # supervisors read as a failure) and one that timed out exits 1
+    terminated = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: its shutdown is done, no traceback
         sys.exit(130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if not server.started:
         sys.exit(3)
     if app.state.jaxserve.warm_error is not None:
         sys.exit(f"jaxserve serve: warmup failed: {app.state.jaxserve.warm_error}")
+    if terminated and app.state.jaxserve.drained is False:
+        sys.exit("jaxserve serve: stopped by SIGTERM before everything accepted was answered (drain timed out)")
 

@@ -749,7 +749,7 @@ def test_sigterm_with_a_drain_grace_turns_unready_before_it_stops_listening(tmp_
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text
         assert r.headers["retry-after"] == "1"
         assert httpx.get(url + "/healthz", timeout=5).status_code == 200
-        assert proc.wait(60) in (0, -signal.SIGTERM)
+        assert proc.wait(60) == 0
         log = proc.stdout.read().decode()
         assert "shutting down in 4 s" in log and "drained (clean)" in log, log[-2000:]
         with pytest.raises(httpx.TransportError):
@@ -823,9 +823,8 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
             sent_at = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             results = [f.result() for f in futures]
-        # uvicorn re-raises the captured SIGTERM after its graceful shutdown, so the exit
-        # status is the conventional "terminated by SIGTERM"; the log proves the drain.
-        assert proc.wait(60) in (0, -signal.SIGTERM)
+        # a clean drain exits 0 (not the 143 of an unhandled SIGTERM); the log proves the drain
+        assert proc.wait(60) == 0
         log = proc.stdout.read().decode()
         assert "drained (clean)" in log, log[-2000:]
         codes = [c for c, _ in results]
