@@ -1,6 +1,12 @@
 """OTAS token adaptation cost: ViT-B/16 throughput against gamma, and replace vs accumulate prompts.
 
     nice -n 10 python -m bench.otas_throughput [--batch 8] [--repeats 5] [--write]
+    nice -n 10 python -m bench.otas_throughput --config dinov2-s14 --gammas=-21,-18,-15,-12,-8,-4,0,2,4,8 \
+        --no-accumulate --write      # DINOv2 ViT-S/14 (issue 23): 257 tokens, 12 layers
+
+For ``dinov2-s14`` the question is which gamma range to serve: 256 patch tokens over 12 layers
+allow r <= 21 per layer (ToMe's bipartite limit clamps the deepest schedules in the last layer,
+``gamma_settings``), and the goal is a most-merging gamma >= 2x the throughput of gamma 0.
 
 Question 1 (issue #5 goal): does ToMe at gamma = -20 give >= 2x the throughput of gamma = 0 on
 ViT-B/16 (224x224, batch 8) on this CPU? One AOT executable per gamma of the paper's list
