@@ -82,6 +82,32 @@ def test_layer_scale_round_trips_through_timm_and_dinov2_names(export):
     np.testing.assert_array_equal(np.asarray(forward(loaded, pixels)["cls"]), np.asarray(forward(model, pixels)["cls"]))
 
 
+@pytest.mark.parametrize("merge_r, num_prompts", [((), 0), ((3, 2), 0), ((), 2)])
+def test_layer_scale_stages_chain_to_the_whole_model(merge_r, num_prompts):
+    """ViTStage [0:1] then [1:2] of a LayerScale ViT (weights sliced by path, ls1/ls2 included)
+    equals the whole model, with ToMe and with prompts."""
+    from jaxserve.models.vit import abstract_vit_stage, make_vit_stage_fn
+    from jaxserve.stages import slice_stage_weights
+
+    model = init_vit(TINY_LS, seed=5)
+    for i, block in enumerate(model.blocks):
+        block.ls1[...] = jnp.full_like(block.ls1[...], 0.5 + i)
+        block.ls2[...] = jnp.full_like(block.ls2[...], 0.25 - i)
+    pixels = _pixels(TINY_LS)
+    prompts = (jax.random.normal(jax.random.key(9), (2, TINY_LS.num_layers, num_prompts, TINY_LS.hidden_size))
+               if num_prompts else None)
+    whole = forward(model, pixels, merge_r=merge_r, num_prompts=num_prompts, prompts=prompts)
+    weights = nnx.split(model)[1]
+    x, size = pixels, None
+    for start, stop in ((0, 1), (1, 2)):
+        graphdef, abstract = abstract_vit_stage(TINY_LS, start, stop)
+        fn = jax.jit(make_vit_stage_fn(graphdef, merge_r=merge_r, num_prompts=num_prompts))
+        out = fn(slice_stage_weights(weights, abstract, start), x, size,
+                 None if prompts is None else prompts[:, start:stop])
+        x, size = out.get("hidden"), out.get("size")
+    np.testing.assert_allclose(np.asarray(out["logits"]), np.asarray(whole["logits"]), atol=1e-5)
+
+
 def test_resample_pos_embed():
     """Cubic weights sum to one per output; the same grid is the identity; CLS is kept; a grid that is
     constant along rows stays so (the resampling is separable and row/column-consistent)."""
