@@ -87,12 +87,10 @@ def ynn_bf16_candidates(cell: Cell) -> tuple[dict[str, str], ...]:
 
 def bert_bf16_options(cell: Cell) -> dict[str, str]:
     """bf16 cells need YNNPACK: it is what runs bf16 x bf16 -> f32 dots on the CPU's bf16
-    units (with YNN off, XLA's own dot ran them slower than float32: MiniLM time off / on
-    8x64 2.7x, 32x256 1.4x). From 4096 rows (batch x bucket) on, as for float32, YNN's big
-    fusions lose, so those cells keep YNN for single dots only (time dots-only / all, median
-    of 3 interleaved rounds, 2-core Xeon): MiniLM 32x128 0.84, 32x256 0.89; BERT-base 32x128
-    0.86, 32x256 0.94. Below 4096 rows all fusions win (MiniLM 8x32 1.14-1.18, 32x64 1.13,
-    8x128 1.14, 8x256 1.19-1.24; BERT-base 32x64 1.11, 8x256 1.16)."""
+    units (with YNN off, XLA's own dot runs them slower than float32). From 4096 rows
+    (batch x bucket) on, as for float32, YNN's big fusions lose, so those cells keep YNN for
+    single dots only; below, all fusions win (measurements: bench/RESULTS.md, 'The
+    measurements behind the code's rules')."""
     return ynn_off(cell.batch * cell.seq >= 4096, keep=("INDIVIDUAL_DOT",))
 
 
@@ -100,21 +98,12 @@ def bert_options(cell: Cell) -> dict[str, str]:
     """The fixed rule, for tables that do not tune: YNNPACK off for cells of >= 4096 rows
     (batch x bucket) on the CPU.
 
-    Fitted on a 2-core Xeon (below). On a 2-core EPYC (Zen 3, AVX2) one A/B run (time off /
-    on, fused attention, 3 interleaved rounds) found YNN slower at every cell: MiniLM 8x32
-    0.96, 8x64 0.93, 32x32 0.97, 32x64 0.93, 8x128 0.97; BERT-base 8x128 0.84, 32x128 0.74;
-    ``bench/tuning.py`` on the same machine an hour later: 0.97-1.07 below 4096 rows, 0.75-0.86
-    from 4096 (bench/RESULTS.md, tuning). Where the threshold lies depends on the machine and
-    its state, which is why warmup measures it by default (PolymorphTable).
-
     From 4096 rows, XLA's YNN pass merges each layer's attention-out projection, residual,
-    LayerNorm, MLP and second LayerNorm into one fusion (34 instead of 69-70 per MiniLM
-    graph), which runs slower than XLA's own emitters. Median time with YNN off / on,
-    interleaved, 2-core Xeon: MiniLM 32x128 0.81-0.93, 16x256 0.97-0.99, 32x256 0.87;
-    BERT-base 32x128 0.84, 32x256 0.69. Below 4096 rows YNN keeps its smaller fusions and
-    wins or ties (MiniLM 8x32 1.15, 8x128 1.02, 32x64 1.01-1.03; BERT-base 8x128
-    0.96-1.02). Keeping YNN for single dots only recovers half (0.92-0.96 / 0.85).
-    Outputs agree to 3e-7.
+    LayerNorm, MLP and second LayerNorm into one fusion, which runs slower than XLA's own
+    emitters; below, YNN keeps its smaller fusions and wins or ties. Outputs agree either
+    way. The rule was fitted on a 2-core Xeon; where the threshold lies depends on the
+    machine and its state, which is why warmup measures it by default (PolymorphTable)
+    (measurements: bench/RESULTS.md, 'The measurements behind the code's rules').
     """
     return ynn_off(cell.batch * cell.seq >= 4096)
 
@@ -241,20 +230,18 @@ def vit_stage_servable(name: str, cfg, grid: ShapeGrid, start: int, stop: int, p
 def vit_options(cell: Cell) -> dict[str, str]:
     """YNNPACK off for batches of >= 4 images on the CPU.
 
-    Unlike BERT's, the ViT graph gains from XLA's own emitters from small batches on,
-    at every model size (median time with YNN off / on, interleaved, 2-core Xeon):
-    vit-demo batch 1/2/4/8/16/32: 1.01/1.11/0.97/0.85/0.88/0.87; ViT-B/16 1/2/4/8:
-    1.06/1.05/0.98/0.93; ViT-S/16 8/16/32: 0.93/0.95/0.79. The crossover sits at a
-    batch of ~4 whatever the token count, so the rule counts images, not rows.
+    Unlike BERT's, the ViT graph gains from XLA's own emitters from small batches on, at
+    every model size; the crossover sits at a batch of ~4 whatever the token count, so the
+    rule counts images, not rows (measurements: bench/RESULTS.md, 'The measurements behind
+    the code's rules').
     """
     return ynn_off(cell.batch >= 4)
 
 
 def vit_bf16_options(cell: Cell) -> dict[str, str]:
     """bf16 ViT cells keep every YNN fusion at every batch: unlike float32 (YNN off from batch
-    4), the bf16 dots need YNNPACK, and its fusions won or tied throughout (time with YNN off /
-    dots-only / all, 2-core Xeon): vit-demo batch 8 2.1 / 1.4 / 1.4 ms, 32 6.1 / 4.3 / 4.3 ms;
-    ViT-S/16 batch 8 383 / 213 / 184 ms, 32 1526 / 1244 / 1231 ms."""
+    4), the bf16 dots need YNNPACK, and its fusions win or tie throughout (measurements:
+    bench/RESULTS.md, 'The measurements behind the code's rules')."""
     return {}
 
 
