@@ -40,7 +40,7 @@ def ynn_off(when: bool, platform: str | None = None, keep: tuple[str, ...] = ())
     XLA:CPU (jax 0.10) hands dots and the element-wise work around them to YNNPACK as
     "YNN fusions". For small calls that wins; for large ones the plain XLA emitters are
     faster, and where the crossover lies depends on the model (each servable's
-    ``options_of`` states its rule and the measurements behind it). ``keep``: YNN fusion
+    ``options_of`` states its rule). ``keep``: YNN fusion
     kinds to leave on (``"INDIVIDUAL_DOT"``: single dots, nothing fused around them).
     Other backends: {}.
     """
@@ -115,12 +115,9 @@ class PolymorphTable:
     ``tune`` (default): where the servable offers alternative compile options for a cell
     (``Servable.option_candidates``), warmup compiles each, times it on this machine and keeps
     the fastest. Why measure instead of a rule: which XLA:CPU options win depends on the
-    machine. YNNPACK's fusions won by up to 15% at small MiniLM cells on a 2-core Xeon
-    (AVX-512), where the fixed rule was fitted; on a 2-core EPYC (AVX2) one A/B run found them
-    slower at every cell tried (up to 16% at BERT-base 8x128, where the rule keeps them on),
-    and ``bench/tuning.py`` there later found near ties below 4096 rows and YNN off taking
-    0.75-0.86x the time above, as the rule says (``Servable.options_of``'s docstrings give
-    the numbers). A rule is right for the machine it was fitted on; a measurement is right
+    machine (YNNPACK's fusions won at small cells on the Xeon the fixed rule was fitted on and
+    lost on an EPYC; measurements: bench/RESULTS.md, 'The measurements behind the code's
+    rules'). A rule is right for the machine it was fitted on; a measurement is right
     where it runs. The cache key names the candidates, not the winner; the entry stores the
     winner, so later starts load it without timing again, and the manifest row says which
     options won and every candidate's time. Timing runs each candidate on stand-in weights
@@ -251,8 +248,8 @@ class PolymorphTable:
         for ``cell``: small random floats, integers all ones (a valid token id, a full mask).
 
         Not zeros: a large ``np.zeros`` may be backed by the kernel's one shared zero page
-        until written, which real weights are not. Measured at BERT-base 8x128, both
-        candidates: these stand-ins and the real weights time within 1% of each other."""
+        until written, which real weights are not; these stand-ins time as real weights do
+        (measurements: bench/RESULTS.md, 'The measurements behind the code's rules')."""
         rng = np.random.default_rng(0)
 
         def fill(a):
