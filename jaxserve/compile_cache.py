@@ -498,8 +498,7 @@ def enable_xla_cache(path: str | Path) -> None:
     jax also turns on XLA's own side caches by default (the GPU per-fusion autotune
     cache), and it does so by writing *the cache directory's path* into the compile
     options, which are part of every entry's key: a cache written at one path then
-    never hits at another (measured: a warmup job's cache copied elsewhere gave 0 hits
-    of 6). A warmup job's output is meant to be shipped (CI artifact, image layer) to hosts of the same kind, so
+    never hits at another. A warmup job's output is meant to be shipped (CI artifact, image layer) to hosts of the same kind, so
     we switch those side caches off ("none") and keep the key path-independent; the
     serialized executables remain the fast path on every backend.
     """
