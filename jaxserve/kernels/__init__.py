@@ -1,7 +1,7 @@
 """Native CPU kernels that compiled executables call through XLA's FFI.
 
 One kernel so far: fused multi-head attention (``attention_cpu.cc``; why and how in its
-header, measured in ``jaxserve/models/attention.py``). It is C++ built on the host that
+header, measured in bench/RESULTS.md, 'The measurements behind the code's rules'). It is C++ built on the host that
 runs it, the way PyTorch's inductor and Triton build theirs: the system C++ compiler
 (``$CXX``, else g++, c++ or clang++) with ``-O3 -march=native`` against the FFI headers
 that ship in jaxlib, once per (source, compiler, jaxlib, CPU instruction set), into an
