@@ -3,18 +3,13 @@
 ``precision="bf16"`` stores every dense layer's kernel as bfloat16 and feeds the layer's
 input to the matmul as bfloat16, accumulating and returning float32. Everything else stays
 float32: embeddings, biases, LayerNorm, softmax, the attention matmuls (bf16 scores and
-probabilities measured no faster: 0-5% slower here) and the pooled output. It is the
-CPU counterpart of TF32 on a GPU: on a CPU with AMX / AVX512-BF16, XLA hands bf16 x bf16 ->
-f32 dots to YNNPACK, which ran a 2048^3 matmul at 1,030 GFLOP/s against 290 in float32 on
-the 2-core Xeon here (same process, same minute).
-
-Measured on all-MiniLM-L6-v2 (time bf16 / f32, 2-core Xeon with AMX; interleaved in one run,
-and across the two bench/peer.py tables): 8x64 0.41-0.51, 32x32 0.36-0.41, 8x256 0.54-0.55,
-32x256 0.75-0.76 (attention, still float32, takes a growing share as sequences grow).
-Sentence embeddings keep cosine >= 0.9999 to the float32 ones (tests/integration/test_precision.py checks
-the real checkpoint on the parity sentences; bench/peer.py --precision bf16 reports it per
-cell). A CPU without bf16 dot units runs these dots slower than float32: the mode is opt-in
-(``jaxserve warmup/serve --precision bf16``), never the default.
+probabilities measured no faster) and the pooled output. It is the CPU counterpart of TF32
+on a GPU: on a CPU with AMX / AVX512-BF16, XLA hands bf16 x bf16 -> f32 dots to YNNPACK,
+which runs them several times faster than float32. Sentence embeddings keep cosine >= 0.9999
+to the float32 ones (tests/integration/test_precision.py). A CPU without bf16 dot units runs
+these dots slower than float32: the mode is opt-in (``jaxserve warmup/serve --precision
+bf16``), never the default (measurements: bench/RESULTS.md, 'The measurements behind the
+code's rules').
 
 Decision: the weights carry the precision. The kernels are cast once, when a runtime loads
 (:func:`matmul_weights`), so the executable takes bf16 kernels as arguments: no per-call
