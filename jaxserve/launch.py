@@ -347,9 +347,9 @@ def settle_heap() -> None:
 
     Warmup leaves millions of long-lived objects (traced jaxprs, executables, weights'
     Python wrappers, tokenizer tables) that every full collection then walks. Under load
-    the allocation rate of the request path triggers collections often enough that
-    py-spy found the event loop in ``gc_collect_main`` 25% of the time at 180 req/s, the
-    largest single cost on the loop. ``gc.freeze()`` moves the warm heap to a permanent
+    the allocation rate of the request path triggers collections often enough to make them
+    the largest single cost on the event loop (measurements: bench/RESULTS.md, 'The
+    measurements behind the code's rules'). ``gc.freeze()`` moves the warm heap to a permanent
     generation that collections skip; a larger gen-0 threshold makes young collections
     rarer (request objects die young by reference counting anyway). Cycles are still
     collected, and nothing frozen is ever freed, which is right for objects that live as
