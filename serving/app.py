@@ -321,8 +321,8 @@ class _BodyRefused(StarletteHTTPException):
     """The request body broke a limit while it was being read (413 too large, 408 too slow).
 
     A Starlette HTTPException, because FastAPI turns any other exception raised while it reads
-    a body into a 400 "error parsing the body": a chunked body over the limit was answered
-    that way, not 413."""
+    a body into a 400 "error parsing the body", and a chunked body over the limit must get
+    413."""
 
     def __init__(self, status: int, message: str, headers: dict | None = None):
         super().__init__(status, message, headers)
@@ -456,8 +456,9 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
 
     async def tokenize(rt, texts: list[str], truncate: bool, field_name: str) -> list[list[int]]:
         """Token ids, each within the longest bucket (413 otherwise, unless ``truncate``). A
-        large request is encoded on a worker thread: on the event loop, one 8 MiB body of
-        text stalled every other request for ~1.7 s."""
+        large request is encoded on a worker thread: on the event loop, a large body of text
+        would stall every other request (measurements: bench/RESULTS.md, 'The measurements
+        behind the code's rules')."""
         limit = rt.grid.max_length
         if rt.tokenizer.cheap(texts):
             ids = rt.tokenizer.encode(texts)

@@ -279,8 +279,9 @@ def _loopback(host: str) -> bool:
 
 
 def serve(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, access_log: bool = False) -> None:
-    """Run the server. ``access_log`` is off by default: a log line per request took ~5% of
-    the event loop's time at load (py-spy), and ``/metrics`` counts requests by status."""
+    """Run the server. ``access_log`` is off by default: a log line per request costs the
+    event loop measurable time at load (measurements: bench/RESULTS.md, 'The measurements
+    behind the code's rules'), and ``/metrics`` counts requests by status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for chatty in ("absl", "jax"):  # orbax's per-restore INFO lines (through absl), jax's "no TPU here"
         logging.getLogger(chatty).setLevel(logging.WARNING)
