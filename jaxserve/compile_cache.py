@@ -498,9 +498,10 @@ def enable_xla_cache(path: str | Path) -> None:
     jax also turns on XLA's own side caches by default (the GPU per-fusion autotune
     cache), and it does so by writing *the cache directory's path* into the compile
     options, which are part of every entry's key: a cache written at one path then
-    never hits at another. A warmup job's output is meant to be shipped (CI artifact, image layer) to hosts of the same kind, so
-    we switch those side caches off ("none") and keep the key path-independent; the
-    serialized executables remain the fast path on every backend.
+    never hits at another. A warmup job's output is meant to be shipped (CI artifact, image
+    layer) to hosts of the same kind, so we switch those side caches off ("none") and keep
+    the key path-independent (measurements: bench/RESULTS.md, 'The measurements behind the
+    code's rules'); the serialized executables remain the fast path on every backend.
     """
     path = _owner_only_dir(Path(path))
     jax.config.update("jax_persistent_cache_enable_xla_caches", "none")

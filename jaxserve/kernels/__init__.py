@@ -1,9 +1,9 @@
 """Native CPU kernels that compiled executables call through XLA's FFI.
 
 One kernel so far: fused multi-head attention (``attention_cpu.cc``; why and how in its
-header, measured in bench/RESULTS.md, 'The measurements behind the code's rules'). It is C++ built on the host that
-runs it, the way PyTorch's inductor and Triton build theirs: the system C++ compiler
-(``$CXX``, else g++, c++ or clang++) with ``-O3 -march=native`` against the FFI headers
+header; measurements: bench/RESULTS.md, 'The measurements behind the code's rules'). It is
+C++ built on the host that runs it, the way PyTorch's inductor and Triton build theirs: the
+system C++ compiler (``$CXX``, else g++, c++ or clang++) with ``-O3 -march=native`` against the FFI headers
 that ship in jaxlib, once per (source, compiler, jaxlib, CPU instruction set), into an
 owner-only kernel directory (``$JAXSERVE_KERNEL_DIR``, else ``$XDG_CACHE_HOME/jaxserve/
 kernels`` or ``~/.cache/jaxserve/kernels``). A build takes a few seconds and happens when a
