@@ -256,6 +256,7 @@ def cmd_matrix(args) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     from bench.common import PLOTS, record, table
 
@@ -294,6 +295,8 @@ def cmd_matrix(args) -> None:
                         ax.plot(lat * 1e3, np.arange(1, len(lat) + 1) / max(1, len(lat)), label=title)
                     ax.axvline(SLO_MS, color="grey", linestyle=":")
                     ax.set_xscale("log")
+                    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+                    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
                     ax.set_title(f"{arrivals}, {load:.0%} load", fontsize=9)
                     ax.grid(alpha=0.3)
                     if a_i == len(ARRIVALS) - 1:
@@ -414,6 +417,7 @@ def cmd_live(args) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
     for ax, load in zip(axes, (0.30, 0.60)):
@@ -422,6 +426,8 @@ def cmd_live(args) -> None:
             ax.plot(lat, np.arange(1, len(lat) + 1) / max(1, len(lat)), label=label)
         ax.axvline(SLO_MS, color="grey", linestyle=":")
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("client latency (ms, log)")
         ax.set_title(f"live, 2 instances, real tweets, MMPP {load:.0%}", fontsize=9)
         ax.grid(alpha=0.3)
