@@ -323,11 +323,14 @@ def cmd_profile(args) -> int:
         latency = profile_latency(runtimes, args.repeats, progress=True, stop=stop)
     accuracy = {}
     if args.accuracy:  # OTAS: accuracy per (task, gamma) on the held-out profiling split
-        from jaxserve.datasets import digit_task_split  # see the module docstring
+        from jaxserve.datasets import dinov2_task_split, digit_task_split  # see the module docstring
 
         for name, rt in runtimes.items():
             if isinstance(rt, ImageRuntime) and rt.prompts is not None:
-                splits = {t: digit_task_split(t, "profile", rt.image_shape) for t in rt.prompts.tasks}
+                if name == "dinov2-s14":  # its probes' held-out subsets (training/train_dinov2_probes.py)
+                    splits = {t: dinov2_task_split(t, "heldout", rt.image_shape[0])[0] for t in rt.prompts.tasks}
+                else:
+                    splits = {t: digit_task_split(t, "profile", rt.image_shape) for t in rt.prompts.tasks}
                 accuracy[name] = profile_accuracy(rt, splits, progress=True)
     cost = CostModel(latency=latency, accuracy=accuracy, machine=machine_description())
     out = Path(args.out or default_cost_model_path(args.cache_dir, args.precision))

