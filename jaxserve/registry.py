@@ -233,6 +233,10 @@ def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | Non
         if not (prompts_dir / "repository.json").exists():
             raise MissingAsset(f"{name} has no task probes at {prompts_dir}: python -m training.train_dinov2_probes "
                                f"--out {prompts_dir}")
+        deepest = min(OTAS_GAMMAS[name])  # below it gamma_settings would clamp: gamma would not mean what it says
+        if grid is not None and min(grid.gammas) < deepest:
+            raise ValueError(f"{name}: gamma {min(grid.gammas)} is outside its profiled range "
+                             f"{deepest}..{max(OTAS_GAMMAS[name])} (bench/RESULTS.md, otas-throughput-{name})")
     else:
         path = vit_demo_dir()
         meta = json.loads((path / "meta.json").read_text())

@@ -206,7 +206,8 @@ def test_served_runtime_normalises_per_channel_and_matches_the_model(fixture, tm
     """``dinov2-s14`` through the serving path (registry -> polymorph table -> ImageRuntime): one
     compiled cell (batch 1, gamma 0) answers a [0, 1] RGB image with the CLS state of the
     ImageNet-normalised image and the task head's logits, as the Flax model computes them. A
-    grid asking for prompts the repository lacks is refused at load, naming what is missing."""
+    grid asking for prompts the repository lacks, or a gamma beyond the profiled range, is refused at
+    load, naming what is missing or the range."""
     from jaxserve.prompts import PromptEntry, PromptRepository
     from jaxserve.registry import IMAGENET_MEAN, IMAGENET_STD, load_image_runtime
     from jaxserve.sched.base import Cell, ShapeGrid
@@ -220,6 +221,9 @@ def test_served_runtime_normalises_per_channel_and_matches_the_model(fixture, tm
     repo.save(tmp_path / "repo")
     with pytest.raises(ValueError, match="lacks"):
         load_image_runtime("dinov2-s14", None, ShapeGrid((1,), gammas=(0, 2)), prompts_dir=tmp_path / "repo",
+                           tune=False)
+    with pytest.raises(ValueError, match="outside its profiled range -21..0"):
+        load_image_runtime("dinov2-s14", None, ShapeGrid((1,), gammas=(-30, 0)), prompts_dir=tmp_path / "repo",
                            tune=False)
     rt = load_image_runtime("dinov2-s14", None, ShapeGrid((1,), gammas=(0,)), prompts_dir=tmp_path / "repo",
                             tune=False)
