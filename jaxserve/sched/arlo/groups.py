@@ -40,10 +40,11 @@ request rates ``lambda_s`` (from the sliding window, per bucket ``s`` of the gro
 Pooling (one group, many instances: small ``W``) and concentration (one bucket's requests on few
 instances: fuller batches) pull in opposite directions; the exact DP over contiguous ranges
 (:func:`solve_groups`) decides. Measured: while the instances keep up it chooses one group of every
-runtime (every cell of bench/RESULTS.md ``arlo_short``); it splits only when a group would be
-overloaded. With one group, Arlo's deployment is the default batching's (every instance serves every
-runtime from shared per-runtime queues), so on this machine Arlo matches the default batching and
-cannot beat it: the paper's gains come from partitioning GPUs that cannot hold every runtime. ``B_s``, the largest batch of runtime ``s``, comes from the profile
+runtime (35 of the 36 cells of bench/RESULTS.md ``arlo_short``); it splits when a burst would overload
+one group (real lengths, 10 instances, MMPP 85 %: two groups, Arlo's mean 5 % above the default's).
+With one group, Arlo's deployment is the default batching's (every instance serves every runtime from
+shared per-runtime queues), so on this machine Arlo matches the default batching and does not beat it:
+the paper's gains come from partitioning GPUs that cannot hold every runtime. ``B_s``, the largest batch of runtime ``s``, comes from the profile
 (:func:`profile_max_batch`): the paper's runtimes take a max batch (§3.3, ``L_i`` maps the batch
 size to the latency) and fix it at 1 (§5); here it is as large as the SLO allows.
 """
