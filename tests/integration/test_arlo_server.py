@@ -102,7 +102,7 @@ def test_arlo_answers_everything_once_across_reallocations(workdir):
         assert items_by_outcome == len(sent)
 
 
-# ST and INFaaS-like differ from Arlo only inside the policy (tests/test_arlo_baselines.py builds them through
+# ST and INFaaS-like differ from Arlo only inside the policy (tests/unit/test_arlo_baselines.py builds them through
 # make_policy); DT also wraps the served runtime, so it is the baseline that needs the real server.
 def test_dt_baseline_serves_through_http(workdir):
     with LiveServer(settings(workdir, "dt")) as server:

@@ -8,7 +8,6 @@ does it) and are skipped, saying so, without it. Each runs at most 2 images."""
 import dataclasses
 import importlib.util
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import FIXTURES, ROOT
 from jaxserve.models.vit import (
     VIT_CONFIGS,
     ViT,
@@ -29,7 +29,7 @@ from jaxserve.models.vit import (
     token_counts,
 )
 
-FIXTURE = Path(__file__).parent / "fixtures" / "dinov2_parity.npz"
+FIXTURE = FIXTURES / "dinov2_parity.npz"
 TINY_LS = dataclasses.replace(VIT_CONFIGS["vit-tiny-test"], layer_scale=True)
 forward = nnx.jit(ViT.__call__, static_argnames=("merge_r", "num_prompts", "prompt_mode", "return_tokens"))
 
@@ -43,7 +43,7 @@ def _pixels(config, batch=2, seed=1):
 
 def test_existing_config_keys_unchanged_by_the_new_field():
     """layer_scale is keyed only when set: the shipped demo prompt repository still fits its backbone."""
-    repo = json.loads((Path(__file__).parents[1] / "jaxserve/assets/vit-demo-prompts/repository.json").read_text())
+    repo = json.loads((ROOT / "jaxserve/assets/vit-demo-prompts/repository.json").read_text())
     assert VIT_CONFIGS["vit-demo"].key() == repo["config_key"]
     assert TINY_LS.key() != VIT_CONFIGS["vit-tiny-test"].key()
 

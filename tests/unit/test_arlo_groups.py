@@ -9,18 +9,19 @@ real tweet lengths.
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
+
 
 import numpy as np
 import pytest
 
+from conftest import FIXTURES
 from jaxserve import traces
 from jaxserve.sched.arlo import ArloPolicy
 from jaxserve.sched.arlo.groups import GroupCostModel, grouping_objective, groups_of, profile_max_batch, solve_groups
 from jaxserve.sched.base import Cell, CostModel, LatencyProfile, Request, ShapeGrid, bucket_for_length
 from jaxserve.simulator import LATE, OK, simulate
 
-SERVE_COST = Path(__file__).parent / "fixtures" / "minilm-l6-serve-cost.json"
+SERVE_COST = FIXTURES / "minilm-l6-serve-cost.json"
 MODEL = "minilm-l6"
 
 BUCKETS = (16, 32, 64, 128)
