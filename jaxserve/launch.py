@@ -300,10 +300,7 @@ def build_engine(settings: ServeSettings, stop: Callable[[], bool] | None = None
     """Load and warm every model, price every cell, build the policy and the engine.
     ``stop`` is asked before each cell (compile, profile, first run): True raises
     ``WarmupCancelled``, so a server shut down while it warms exits within a cell."""
-    if settings.workers == "ray":  # Ray starts its processes before this one initialises JAX (no fork after)
-        from jaxserve.ray_workers import ensure_ray_for
-
-        ensure_ray_for(settings.instances, settings.ray_address, settings.worker_cpus)
+    start_workers_runtime(settings)  # a no-op when the caller started it (serving.server.build_app does)
     cache = CompileCache(settings.cache_dir) if settings.cache_dir else None
     runtimes = load_runtimes(settings, cache, stop)
     cost_path = Path(settings.cost_model) if settings.cost_model else (
@@ -314,6 +311,20 @@ def build_engine(settings: ServeSettings, stop: Callable[[], bool] | None = None
     return Engine(engine_runtimes(policy, runtimes), policy, instances=settings.instances,
                   max_queue=settings.max_queue, default_slo_ms=settings.slo_ms, workers=workers,
                   worker_factory=factory)
+
+
+def start_workers_runtime(settings: ServeSettings) -> None:
+    """Start (or join) what the workers run on, if they need it: Ray, for ``--workers ray``.
+
+    Call it from a thread that lives as long as the server (its main thread), before JAX
+    starts computing: a local Ray's processes (GCS, raylet) are made to die with the *thread*
+    that started them (Linux's parent-death signal), so a local Ray started from a warmup
+    thread vanished when that thread ended, taking every actor with it; and starting them
+    before JAX's threads exist keeps them from being forked out of a multithreaded process."""
+    if settings.workers == "ray":
+        from jaxserve.ray_workers import ensure_ray_for  # optional extra: jaxserve[ray]
+
+        ensure_ray_for(settings.instances, settings.ray_address, settings.worker_cpus)
 
 
 def make_workers(settings: ServeSettings, runtimes: dict[str, ModelRuntime]):

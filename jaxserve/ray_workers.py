@@ -419,7 +419,9 @@ class RayWorker(Worker):
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None,
                object_store_mb: int = DEFAULT_OBJECT_STORE_MB) -> None:
-    """Start or join Ray in this process, once (a second call does nothing).
+    """Start or join Ray in this process, once (a second call does nothing). A local Ray is
+    started from the main thread only (RuntimeError elsewhere): its processes die with the
+    thread that starts them.
 
     ``address`` None starts a local Ray with ``num_cpus`` logical CPUs, no dashboard, the
     workers' logs left in Ray's log directory and a small object store (``object_store_mb``);
@@ -428,6 +430,12 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None,
     ``RAY_AUTH_TOKEN``). Every node needs jaxserve installed and its compile cache filled."""
     if ray.is_initialized():
         return
+    if address is None and threading.current_thread() is not threading.main_thread():
+        # Ray makes a local cluster's processes (GCS, raylet) die with the thread that started
+        # them (Linux's parent-death signal): started from a worker thread, Ray vanishes when
+        # that thread ends, and this process with it
+        raise RuntimeError("a local Ray must be started from the main thread (it dies with the thread that "
+                           "starts it): call jaxserve.launch.start_workers_runtime there first")
     if address is None:
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
                  object_store_memory=object_store_mb << 20, logging_level=logging.WARNING)

@@ -25,7 +25,7 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from jaxserve.compile_cache import compile_count
-from jaxserve.launch import ServeSettings, build_engine, reload_assets, settle_heap
+from jaxserve.launch import ServeSettings, build_engine, reload_assets, settle_heap, start_workers_runtime
 from jaxserve.polymorph import WarmupCancelled
 from serving.app import ServerState, create_app, error_body
 
@@ -55,6 +55,7 @@ def build_app(settings: ServeSettings, on_warmup_error: Callable[[], None] | Non
     default, so a supervisor sees the failure; an embedding caller may keep serving 503s)."""
     state = ServerState(info={"instances": settings.instances, "max_queue": settings.max_queue})
     state.reload = lambda engine: reload_assets(engine, settings)
+    start_workers_runtime(settings)  # here, in the caller's thread: not in the warmup thread (see there)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

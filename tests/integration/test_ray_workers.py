@@ -199,3 +199,25 @@ def test_a_killed_actor_fails_its_steps_with_worker_died_and_restart_brings_it_b
         assert w.compilations() == 0
     finally:
         w.close()
+
+
+def test_a_local_ray_is_started_from_the_main_thread_only():
+    """Ray's local processes die with the thread that starts them: started from a warmup
+    thread, the cluster vanished when that thread ended (and the driver with it). In a fresh
+    process (this module's cluster stays as it is), a worker thread asking for a local Ray
+    is refused, and nothing starts."""
+    script = (
+        "import threading, ray\n"
+        "from jaxserve.ray_workers import ensure_ray\n"
+        "errors = []\n"
+        "def start():\n"
+        "    try:\n"
+        "        ensure_ray(None, num_cpus=1)\n"
+        "    except RuntimeError as exc:\n"
+        "        errors.append(str(exc))\n"
+        "t = threading.Thread(target=start); t.start(); t.join()\n"
+        "print(len(errors), 'main thread' in errors[0] if errors else None, ray.is_initialized())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "True", "False"], out.stdout
