@@ -47,12 +47,14 @@ import logging
 import math
 import time
 from collections import Counter, deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from jaxserve.compile_cache import compile_count
 from jaxserve.runtime import ModelRuntime
 from jaxserve.sched.base import Batch, PlacementChange, Plan, Policy, Request, Stage, WorkerView
+from jaxserve.stages import Activations
 from jaxserve.workers import Step, StepOutput, ThreadWorker, Worker, summarize
 
 log = logging.getLogger("jaxserve.engine")
@@ -455,8 +457,6 @@ class Engine:
         if same and rows == list(range(source.count)):
             carry = source  # the previous step's batch as it was: no copy
         else:
-            from jaxserve.stages import Activations
-
             parts = [p.carry[0].rows([p.carry[1]]) for p in pendings]
             carry = parts[0] if len(parts) == 1 else Activations.concat(parts)
         return Step(stage, batch.cell, (), tasks, carry)
@@ -491,8 +491,6 @@ class Engine:
         try:
             cf = worker.submit(step)
         except Exception as exc:  # the worker does not hold the stage: the policy's mistake
-            from concurrent.futures import Future
-
             cf = Future()
             cf.set_exception(exc)
         cf.add_done_callback(
