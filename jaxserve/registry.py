@@ -102,6 +102,31 @@ def dinov2_weights_path(progress: bool = False) -> Path:
     return target
 
 
+# The text encoders jaxserve can serve, by name. Each loader returns (BertConfig, Bert, tokenizer.json
+# path); conversions from the registry's packages run on first use and are cached in weights_dir().
+TEXT_MODELS = ("minilm-l3", "minilm-l6", "bge-small", "mpnet-base")
+
+
+def load_text_model(name: str = "minilm-l6", progress: bool = False):
+    """(cfg, model, tokenizer_json) of the text encoder ``name`` (one of :data:`TEXT_MODELS`)."""
+    if name == "minilm-l6":
+        cfg, model = load_hf_bert(minilm_dir())
+        return cfg, model, minilm_dir() / "tokenizer.json"
+    if name == "minilm-l3":
+        from jaxserve.models.bert_onnx import load_minilm_l3
+
+        return load_minilm_l3(progress=progress)
+    if name == "bge-small":
+        from jaxserve.models.bert_onnx import load_bge_small
+
+        return load_bge_small(progress=progress)
+    if name == "mpnet-base":
+        from jaxserve.models.mpnet import load_mpnet_base
+
+        return load_mpnet_base(progress=progress)
+    raise KeyError(f"unknown text model {name!r}; known: {', '.join(TEXT_MODELS)}")
+
+
 def load_dinov2(image_size: int = 224):
     """(config, ViT) of DINOv2 ViT-S/14 at ``image_size`` (a multiple of 14): the position
     embeddings resampled from the stored 37x37 grid to this size, once, here."""
