@@ -416,7 +416,7 @@ def simulate(
                 ok = queue_depth() < max_queue
             if ok:
                 state[r] = _QUEUED
-                on_arrival(Request(r, now, m, task[r], length[r], deadline[r], utility[r]), now)
+                on_arrival(Request(r, now, m, task[r], length[r], deadline[r], utility[r], seed=r), now)
             else:
                 finish[r] = now
                 outcome[r] = REJECTED

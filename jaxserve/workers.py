@@ -73,8 +73,10 @@ class WorkerDied(RuntimeError):
 
 
 def summarize(items: Sequence[Mapping[str, Any]] | None, count: int) -> list[StepSummary]:
-    """The per-request summary a policy gets of a step: top probability and label for a
-    classification, empty otherwise (``count`` rows)."""
+    """The per-request summary a policy gets of a step: top probability, label and
+    probabilities for a classification, empty otherwise (``count`` rows); for a cascade
+    level (an item with ``_next``, the next models' inputs) their lengths and the tokens
+    pruned from them."""
     if items is None:
         return [StepSummary()] * count
     out = []
@@ -82,8 +84,11 @@ def summarize(items: Sequence[Mapping[str, Any]] | None, count: int) -> list[Ste
         probs = item.get("probabilities")
         if probs is None:
             out.append(StepSummary())
-        else:
-            out.append(StepSummary(float(np.max(probs)), str(item.get("label"))))
+            continue
+        nxt = item.get("_next")
+        lengths = () if nxt is None else tuple((m, len(p.ids)) for m, p in nxt.items())
+        out.append(StepSummary(float(np.max(probs)), str(item.get("label")), tuple(float(x) for x in probs),
+                               lengths, int(item.get("pruned_tokens", 0))))
     return out
 
 

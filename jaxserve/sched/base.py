@@ -79,6 +79,7 @@ class Request:
     length: int = 0  # tokens, for text; 0 for images
     deadline: float = math.inf  # absolute time on the caller's clock
     utility: float = 1.0
+    seed: int = 0  # what a randomised policy's per-request draws derive from (Tabi's rerouting)
 
 
 @dataclass(frozen=True)
@@ -106,11 +107,17 @@ class Batch:
 @dataclass(frozen=True)
 class StepSummary:
     """The small per-request summary of a step's outputs a policy gets on completion
-    (a cascade decides from it whether to go on): a classifier's top probability and
-    label; None for steps that produce no classification (embeddings, activations)."""
+    (a cascade decides from it whether to go on): a classifier's top probability, label
+    and probabilities; None for steps that produce no classification (embeddings,
+    activations). A cascade level's step also says how long the next models' inputs are
+    (``next_lengths``: (model, tokens) pairs, after word pruning) and how many tokens the
+    pruning took out (``pruned_tokens``)."""
 
     top_probability: float | None = None
     label: str | None = None
+    probabilities: tuple[float, ...] | None = None
+    next_lengths: tuple[tuple[str, int], ...] = ()
+    pruned_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,415 @@
+"""Tabi (EuroSys'23): a multi-level cascade of text encoders with calibrated confidence,
+probabilistic rerouting, attention-based word pruning and a weighted ensemble.
+
+Every request of a task runs on its *candidate*'s first (smallest) model. Its calibrated
+confidence ``con`` (the top probability of the temperature-scaled head, Eq. 3: the heads
+carry their temperature, fitted by NLL on validation) decides whether it returns there or
+goes on to the next level (Eq. 4)::
+
+    P_reroute(con) = 1                                  if con <= c
+                   = 1 / (1 + exp(k * norm(con)))       otherwise,
+    norm(con)      = (con - c) / (1 - c) - 1/2
+
+A request that goes on is given the next model's input pruned to the words its small model
+attended to (Eq. 5, computed by the runtime from the small model's own executable, which
+outputs the importance vector), and its answer is the weighted ensemble (Eq. 6) of the
+probabilities of every level it ran.
+
+Decisions where the paper is silent or loose (each is tested in tests/unit/test_tabi.py):
+
+* **The draw is seeded per request.** A request's uniform draw at level ``i`` is a hash of
+  (policy seed, ``Request.seed``, ``i``): the same request (the server seeds it with its
+  text's CRC32 unless the client sends ``seed``) is routed the same way every time, so an
+  answer can be reproduced; the policy keeps no random state.
+* **Profiling uses the expectation, not a sample.** :func:`evaluate` scores a candidate by
+  the exact expected accuracy and cost over the rerouting probabilities, so selection is
+  deterministic and not noisy at 2,000 validation items.
+* **k.** The paper leaves the sigmoid's slope open. It is part of the candidate: profiling
+  sweeps ``K_GRID`` and selection keeps the cheapest (c, k) meeting the target. Large k
+  makes the rule a hard threshold at (1 + c) / 2; small k returns about half of the
+  confident requests at random.
+* **The c sweep.** c goes down from 0.95 in steps of 0.05 (per non-final level for three
+  levels) and, as in §5, stops when the combined accuracy falls below the mean of the
+  models used.
+* **Ensemble weights** (§4.3: "proportional to the accuracy on the rerouted data"): for the
+  requests that exit at level ``j``, level ``l <= j`` gets weight proportional to its
+  accuracy on the validation items that reached level ``j`` (computed with the expected
+  routing). A request that exits at level 0 gets the first model's answer alone.
+* **All steps are non-final.** A model can be the last level of one task's candidate and
+  a middle level of another's, and batches mix tasks, so every step holds its requests
+  and the policy finishes each with ``Plan.finish`` once it is done with it (the engine
+  answers from the last step's outputs; :meth:`TabiPolicy.describe_request` replaces the
+  probabilities and label by the ensemble's).
+* **Batching.** Each level batches into its polymorph cells with the default deadline
+  batching (:class:`~jaxserve.sched.batching.DeadlineBatching`): a rerouted request joins
+  the next model's queue with its original arrival and deadline and the length of its
+  pruned input, so it lands in a smaller bucket when pruning shortened it.
+
+Pure: no JAX, no clock, no threads (DESIGN.md, "jaxserve/sched/").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import struct
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from jaxserve.sched.base import Batch, CostModel, Plan, Policy, Request, ShapeGrid, StepSummary
+from jaxserve.sched.batching import DeadlineBatching
+
+C_START, C_STEP = 0.95, 0.05  # the paper's sweep of the cut-off c (§5)
+K_GRID = (2.0, 5.0, 10.0, 20.0, 50.0)  # slopes profiled (the paper leaves k open)
+
+
+def reroute_probability(con: float, c: float, k: float) -> float:
+    """Eq. 4: the probability that a request of calibrated confidence ``con`` goes on."""
+    if con <= c:
+        return 1.0
+    if c >= 1.0:
+        return 0.0
+    norm = (con - c) / (1.0 - c) - 0.5
+    z = k * norm
+    if z > 700:
+        return 0.0
+    return 1.0 / (1.0 + math.exp(z))
+
+
+def reroute_probabilities(con: np.ndarray, c: float, k: float) -> np.ndarray:
+    """:func:`reroute_probability` over an array of confidences."""
+    con = np.asarray(con, np.float64)
+    if c >= 1.0:
+        return np.where(con <= c, 1.0, 0.0)
+    norm = (con - c) / (1.0 - c) - 0.5
+    p = 1.0 / (1.0 + np.exp(np.clip(k * norm, -700, 700)))
+    return np.where(con <= c, 1.0, p)
+
+
+def route_draw(policy_seed: int, request_seed: int, level: int) -> float:
+    """The request's uniform draw in [0, 1) at ``level``: a hash, so reproducible."""
+    digest = hashlib.blake2b(struct.pack("<qqq", policy_seed, request_seed, level), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64
+
+
+def ensemble(probabilities: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    """Eq. 6 generalised: the weighted mean of the levels' probability vectors."""
+    w = np.asarray(weights, np.float64)
+    if len(w) != len(probabilities) or not (w >= 0).all() or w.sum() <= 0:
+        raise ValueError(f"{len(probabilities)} levels need as many non-negative weights, not all 0; got {weights}")
+    stacked = np.stack([np.asarray(p, np.float64) for p in probabilities])
+    return np.tensordot(w, stacked, axes=1) / w.sum()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One Tabi configuration for a task (§5): its models from small to large, the cut-off
+    c of every level but the last, the sigmoid slope k, the pruning degree alpha (None: no
+    pruning) and, per exit level j, the ensemble weights of levels 0..j. ``accuracy`` and
+    ``cost`` (mean seconds per request, batch 1) are what profiling measured."""
+
+    task: str
+    levels: tuple[str, ...]
+    thresholds: tuple[float, ...] = ()
+    k: float = 10.0
+    alpha: float | None = None
+    weights: tuple[tuple[float, ...], ...] = ()
+    accuracy: float = float("nan")
+    cost: float = float("nan")
+    exit_shares: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.levels:
+            raise ValueError("a candidate has at least one model")
+        if len(self.thresholds) != len(self.levels) - 1:
+            raise ValueError(f"{len(self.levels)} levels need {len(self.levels) - 1} cut-offs, "
+                             f"got {len(self.thresholds)}")
+        if any(not 0.0 <= c <= 1.0 for c in self.thresholds):
+            raise ValueError(f"cut-offs must lie in [0, 1]: {self.thresholds}")
+        weights = self.weights or tuple((1.0,) * (j + 1) for j in range(len(self.levels)))
+        if len(weights) != len(self.levels) or any(len(w) != j + 1 for j, w in enumerate(weights)):
+            raise ValueError("weights: one tuple per exit level j, of j + 1 weights")
+        object.__setattr__(self, "weights", tuple(tuple(float(x) for x in w) for w in weights))
+        if self.alpha is not None and self.alpha < 0:
+            raise ValueError(f"alpha must be >= 0, got {self.alpha}")
+
+    def name(self) -> str:
+        chain = ">".join(self.levels)
+        cuts = ",".join(f"{c:.2f}" for c in self.thresholds)
+        prune = "" if self.alpha is None else f" alpha={self.alpha:.1f}"
+        return chain + (f" c={cuts} k={self.k:g}" if cuts else "") + prune
+
+    def to_json(self) -> dict:
+        return {"task": self.task, "levels": list(self.levels), "thresholds": list(self.thresholds), "k": self.k,
+                "alpha": self.alpha, "weights": [list(w) for w in self.weights], "accuracy": self.accuracy,
+                "cost": self.cost, "exit_shares": list(self.exit_shares)}
+
+    @classmethod
+    def from_json(cls, raw: Mapping) -> "Candidate":
+        return cls(task=raw["task"], levels=tuple(raw["levels"]), thresholds=tuple(raw["thresholds"]),
+                   k=float(raw["k"]), alpha=raw.get("alpha"), weights=tuple(tuple(w) for w in raw["weights"]),
+                   accuracy=float(raw.get("accuracy", "nan")), cost=float(raw.get("cost", "nan")),
+                   exit_shares=tuple(raw.get("exit_shares", ())))
+
+
+# -- offline profiling and selection (§5) ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LevelData:
+    """What profiling saved of one model on one split of a task: calibrated probabilities
+    [N, C] of the full input, and (for a model that may come after another) the
+    probabilities on pruned inputs, per alpha. ``cost``: mean seconds per request at batch
+    1 on full inputs; ``pruned_cost``: per alpha."""
+
+    probabilities: np.ndarray
+    cost: float
+    pruned_probabilities: Mapping[float, np.ndarray] = field(default_factory=dict)
+    pruned_cost: Mapping[float, float] = field(default_factory=dict)
+
+
+def _reach(levels: Sequence[str], thresholds: Sequence[float], k: float,
+           data: Mapping[str, LevelData]) -> list[np.ndarray]:
+    """Per level j, each item's probability of reaching it (expected routing)."""
+    reach = [np.ones(len(data[levels[0]].probabilities))]
+    for j, c in enumerate(thresholds):
+        con = data[levels[j]].probabilities.max(axis=1)
+        reach.append(reach[-1] * reroute_probabilities(con, c, k))
+    return reach
+
+
+def evaluate(levels: Sequence[str], thresholds: Sequence[float], k: float, alpha: float | None,
+             data: Mapping[str, LevelData], labels: np.ndarray,
+             weights: Sequence[Sequence[float]] | None = None) -> dict:
+    """Expected accuracy, mean cost and exit shares of a cascade on one split, and the
+    ensemble weights §4.3 derives from it (when ``weights`` is None). Levels after the first
+    see pruned inputs when ``alpha`` is set (their ``pruned_probabilities[alpha]``)."""
+    labels = np.asarray(labels)
+    probs = [data[levels[0]].probabilities]
+    costs = [data[levels[0]].cost]
+    for m in levels[1:]:
+        if alpha is None:
+            probs.append(data[m].probabilities)
+            costs.append(data[m].cost)
+        else:
+            probs.append(data[m].pruned_probabilities[alpha])
+            costs.append(data[m].pruned_cost[alpha])
+    reach = _reach(levels, thresholds, k, {m: LevelData(p, 0.0) for m, p in zip(levels, probs)})
+    n_levels = len(levels)
+    exit_p = [reach[j] - (reach[j + 1] if j + 1 < n_levels else 0.0) for j in range(n_levels)]
+    correct = [(p.argmax(axis=1) == labels).astype(np.float64) for p in probs]
+    if weights is None:
+        derived = []
+        for j in range(n_levels):
+            w = exit_p[j]
+            if w.sum() <= 0:
+                derived.append((1.0,) * (j + 1))
+                continue
+            accs = [float((w * correct[l]).sum() / w.sum()) for l in range(j + 1)]
+            derived.append(tuple(a if a > 0 else 1e-6 for a in accs) if j > 0 else (1.0,))
+        weights = derived
+    accuracy = 0.0
+    for j in range(n_levels):
+        mix = ensemble(probs[: j + 1], weights[j]) if j > 0 else probs[0]
+        accuracy += float((exit_p[j] * (mix.argmax(axis=1) == labels)).sum())
+    accuracy /= len(labels)
+    cost = float(sum(costs[j] * reach[j].mean() for j in range(n_levels)))
+    return {"accuracy": accuracy, "cost": cost, "exit_shares": tuple(float(e.mean()) for e in exit_p),
+            "weights": tuple(tuple(float(x) for x in w) for w in weights)}
+
+
+def profile_candidates(task: str, chains: Iterable[Sequence[str]], data: Mapping[str, LevelData],
+                       labels: np.ndarray, alphas: Sequence[float | None] = (None,),
+                       k_grid: Sequence[float] = K_GRID) -> list[Candidate]:
+    """Every candidate §5 profiles for ``task`` on a validation split: each chain (a single
+    model is a chain of one) over its cut-offs (swept down from 0.95 by 0.05 per non-final
+    level until the combined accuracy falls below the mean of its models'), each k and
+    each alpha the data has."""
+    labels = np.asarray(labels)
+    single = {m: float((d.probabilities.argmax(axis=1) == labels).mean()) for m, d in data.items()}
+    out = []
+    for chain in chains:
+        chain = tuple(chain)
+        if len(chain) == 1:
+            out.append(Candidate(task, chain, accuracy=single[chain[0]], cost=data[chain[0]].cost,
+                                 exit_shares=(1.0,)))
+            continue
+        floor = float(np.mean([single[m] for m in chain]))
+        cuts = [round(C_START - C_STEP * i, 2) for i in range(int(C_START / C_STEP) + 1)]
+        for alpha in alphas:
+            if alpha is not None and any(alpha not in data[m].pruned_probabilities for m in chain[1:]):
+                continue
+            for k in k_grid:
+                for thresholds in itertools.product(cuts, repeat=len(chain) - 1):
+                    ev = evaluate(chain, thresholds, k, alpha, data, labels)
+                    if ev["accuracy"] < floor:
+                        continue  # the paper's early stop, applied per combination
+                    out.append(Candidate(task, chain, tuple(thresholds), k, alpha, ev["weights"], ev["accuracy"],
+                                         ev["cost"], ev["exit_shares"]))
+    return out
+
+
+def select(candidates: Sequence[Candidate], target_accuracy: float, max_cost: float = math.inf) -> Candidate:
+    """The cheapest candidate meeting the accuracy target and the latency bound (§5's online
+    selection); when none meets the target, the most accurate one within the bound."""
+    fits = [c for c in candidates if c.cost <= max_cost]
+    if not fits:
+        raise ValueError(f"no candidate's mean cost is within {max_cost * 1e3:.1f} ms")
+    meeting = [c for c in fits if c.accuracy >= target_accuracy]
+    if meeting:
+        return min(meeting, key=lambda c: (c.cost, -c.accuracy, len(c.levels)))
+    return max(fits, key=lambda c: (c.accuracy, -c.cost))
+
+
+# -- the serving policy -----------------------------------------------------------------------
+
+
+@dataclass
+class _Route:
+    task: str
+    seed: int
+    arrival: float
+    deadline: float
+    level: int = 0
+    probabilities: list = field(default_factory=list)  # per level run
+    confidences: list = field(default_factory=list)
+    pruned_tokens: int = 0
+    done: bool = False
+
+
+class TabiPolicy(Policy):
+    """Serves each task with its :class:`Candidate` (see the module docstring).
+
+    Args:
+        candidates: per task, its cascade.
+        grids: every model's shape grid (each level batches into its cells).
+        cost_model: the models' profiled cell latencies.
+        labels: per task, its head's label names, in the order of the probabilities.
+        seed: the policy's part of every routing draw.
+    """
+
+    def __init__(self, candidates: Mapping[str, Candidate], grids: Mapping[str, ShapeGrid], cost_model: CostModel,
+                 labels: Mapping[str, Sequence[str]], max_queue: int = 1024, max_wait: float = 0.005,
+                 seed: int = 0) -> None:
+        for task, cand in candidates.items():
+            if cand.task != task:
+                raise ValueError(f"candidate for {task!r} says it serves {cand.task!r}")
+            missing = [m for m in cand.levels if m not in grids]
+            if missing:
+                raise ValueError(f"task {task!r}: its cascade needs {missing}, which are not served")
+            if task not in labels:
+                raise ValueError(f"task {task!r} has no label names")
+        self.candidates = dict(candidates)
+        self.labels = {t: tuple(v) for t, v in labels.items()}
+        self.seed = int(seed)
+        self.batching = DeadlineBatching(grids, cost_model, max_queue=max_queue, max_wait=max_wait)
+        self._routes: dict[int, _Route] = {}
+        self._finish: list[int] = []
+        self._requests: dict[int, Request] = {}
+        self.exits: dict[str, list[int]] = {t: [0] * len(c.levels) for t, c in candidates.items()}
+        self.tokens_in = 0  # tokens of the rerouted requests' inputs before and after pruning
+        self.tokens_pruned = 0
+
+    def first_model(self, task: str) -> str:
+        return self.candidate(task).levels[0]
+
+    def candidate(self, task: str) -> Candidate:
+        try:
+            return self.candidates[task]
+        except KeyError:
+            raise KeyError(f"unknown task {task!r}; the cascade serves {sorted(self.candidates)}") from None
+
+    def admits(self, model: str) -> bool:
+        return self.batching.admits(model)
+
+    def queue_depth(self) -> int:
+        return self.batching.queue_depth()
+
+    def on_arrival(self, request: Request, now: float) -> None:
+        cand = self.candidate(request.task)
+        if request.model != cand.levels[0]:
+            raise ValueError(f"task {request.task!r} starts on {cand.levels[0]!r}, not {request.model!r}")
+        self.batching.on_arrival(request, now)
+        self._routes[request.id] = _Route(request.task, request.seed, request.arrival, request.deadline)
+        self._requests[request.id] = request
+
+    def withdraw(self, request_id: int, now: float) -> bool:
+        if self.batching.withdraw(request_id, now) or request_id in self._finish:
+            if request_id in self._finish:
+                self._finish.remove(request_id)
+            self._forget(request_id)
+            return True
+        return False
+
+    def _forget(self, request_id: int) -> None:
+        self._routes.pop(request_id, None)
+        self._requests.pop(request_id, None)
+
+    def on_completion(self, batch: Batch, now: float, summaries: Mapping[int, StepSummary] | None = None) -> None:
+        for rid in batch.request_ids:
+            route = self._routes.get(rid)
+            if route is None:
+                continue
+            summary = None if summaries is None else summaries.get(rid)
+            if summary is None or summary.probabilities is None:  # the step failed: the engine answered it
+                self._forget(rid)
+                continue
+            cand = self.candidates[route.task]
+            probs = np.asarray(summary.probabilities, np.float64)
+            route.probabilities.append(probs)
+            route.confidences.append(float(probs.max()))
+            level = route.level
+            last = level == len(cand.levels) - 1
+            go_on = not last and route_draw(self.seed, route.seed, level) < reroute_probability(
+                route.confidences[-1], cand.thresholds[level], cand.k)
+            if not go_on:
+                self.exits[route.task][level] += 1
+                self._finish.append(rid)
+                continue
+            nxt = cand.levels[level + 1]
+            request = self._requests[rid]
+            length = dict(summary.next_lengths).get(nxt, request.length)
+            if level == 0:
+                self.tokens_in += length + summary.pruned_tokens
+                self.tokens_pruned += summary.pruned_tokens
+                route.pruned_tokens = summary.pruned_tokens
+            route.level += 1
+            moved = replace(request, model=nxt, length=length)
+            self._requests[rid] = moved
+            self.batching.on_arrival(moved, now)
+
+    def plan(self, now: float, idle_instances: Sequence[int]) -> Plan:
+        inner = self.batching.plan(now, idle_instances)
+        batches = tuple(replace(b, final=False) for b in inner.batches)
+        for rid in inner.evict:
+            self._forget(rid)
+        finish, self._finish = tuple(self._finish), []
+        return Plan(batches, inner.evict, inner.wake_at, finish)
+
+    def describe_request(self, request_id: int) -> dict:
+        """The answer's cascade part: the ensemble's probabilities and label, the models that
+        ran, each level's calibrated confidence and the tokens pruned from the input the
+        next level got. Called once, when the request is answered."""
+        route = self._routes.get(request_id)
+        if route is None or not route.probabilities:
+            return {}
+        self._forget(request_id)
+        cand = self.candidates[route.task]
+        ran = len(route.probabilities)
+        mix = route.probabilities[0] if ran == 1 else ensemble(route.probabilities, cand.weights[ran - 1])
+        names = self.labels[route.task]
+        top = int(np.argmax(mix[: len(names)]))
+        return {"label": names[top], "probabilities": [float(x) for x in mix[: len(names)]],
+                "levels": list(cand.levels[:ran]), "confidence": route.confidences[-1],
+                "confidences": route.confidences, "pruned_tokens": route.pruned_tokens}
+
+    def metrics(self):
+        for task, counts in self.exits.items():
+            total = sum(counts)
+            for level, n in enumerate(counts):
+                model = self.candidates[task].levels[level]
+                yield ("exit_share", {"task": task, "level": str(level), "model": model}, n / total if total else 0.0)
+        yield ("pruned_token_share", {}, self.tokens_pruned / self.tokens_in if self.tokens_in else 0.0)
