@@ -36,6 +36,20 @@ class TextTokenizer:
             return [self._tok.encode(t).ids for t in texts]
         return [e.ids for e in self._tok.encode_batch(list(texts))]
 
+    def encode_words(self, text: str) -> tuple[list[int], list[int | None], list[tuple[int, int]]]:
+        """(ids, word index of each token (None for special tokens), each word's character
+        span in ``text``, in word order): what word-level pruning needs to map tokens back
+        to the words they came from (jaxserve.cascade)."""
+        enc = self._tok.encode(text)
+        spans: dict[int, tuple[int, int]] = {}
+        for w, (a, b) in zip(enc.word_ids, enc.offsets):
+            if w is not None:
+                lo, hi = spans.get(w, (a, b))
+                spans[w] = (min(lo, a), max(hi, b))
+        order = sorted(spans)
+        index = {w: i for i, w in enumerate(order)}
+        return list(enc.ids), [None if w is None else index[w] for w in enc.word_ids], [spans[w] for w in order]
+
     @staticmethod
     def cheap(texts: Sequence[str]) -> bool:
         """Few and short enough to encode one by one on the calling thread (microseconds).
