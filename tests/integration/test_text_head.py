@@ -66,7 +66,7 @@ def test_saved_head_loads_and_beats_majority_on_held_out(trained, splits):
     assert head.weight.shape == (384, 3) and head.bias.shape == (3,)
 
     # The cached embeddings are the server's own features of splits.texts, row for row.
-    features = np.load(metrics["embedding_cache"])["embedding"][splits.test]
+    features = np.load(metrics["embedding_cache"])[splits.test]
     probs = head.probabilities(features)
     np.testing.assert_allclose(probs.sum(axis=-1), 1.0, rtol=1e-5)
     assert (probs >= 0).all()
