@@ -139,6 +139,14 @@ def dinov2_weights_path(progress: bool = False) -> Path:
 TEXT_MODELS = ("minilm-l3", "minilm-l6", "bge-small", "mpnet-base")
 
 
+def text_tokenizer_path(name: str) -> Path:
+    """The tokenizer.json of the text encoder ``name``, without loading its weights where the
+    file is at hand (the MiniLMs share one); otherwise from its (cached) conversion."""
+    if name in ("minilm-l6", "minilm-l3"):
+        return minilm_dir() / "tokenizer.json"
+    return load_text_model(name)[2]
+
+
 def load_text_model(name: str = "minilm-l6", progress: bool = False):
     """(cfg, model, tokenizer_json) of the text encoder ``name`` (one of :data:`TEXT_MODELS`)."""
     if name == "minilm-l6":
