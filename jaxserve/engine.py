@@ -94,6 +94,7 @@ class Item:
     task: str = ""
     slo_ms: float | None = None
     utility: float = 1.0
+    seed: int = 0  # the request's part of a randomised policy's draws (Tabi's rerouting)
 
 
 @dataclass
@@ -340,7 +341,7 @@ class Engine:
                 rid = next(self._ids)
                 slo_ms = item.slo_ms if item.slo_ms is not None else self.default_slo_ms
                 deadline = now + slo_ms / 1000.0 if slo_ms is not None else math.inf
-                request = Request(rid, now, item.model, item.task, item.length, deadline, item.utility)
+                request = Request(rid, now, item.model, item.task, item.length, deadline, item.utility, item.seed)
                 self.policy.on_arrival(request, now)  # may refuse the item (raises): not queued then
                 fut = self._loop.create_future()
                 self._queued[rid] = _Pending(item, request, fut)
@@ -448,7 +449,7 @@ class Engine:
     def _step_for(self, batch: Batch, stage: Stage, pendings: list[_Pending]) -> Step:
         tasks = tuple(p.item.task for p in pendings)
         if stage.first:
-            return Step(stage, batch.cell, tuple(p.item.payload for p in pendings), tasks)
+            return Step(stage, batch.cell, tuple(self._payload(p, batch.model) for p in pendings), tasks)
         if any(p.carry is None for p in pendings):
             raise RuntimeError(f"a step of {stage.label()} needs its requests' activations; some have none")
         source, _ = pendings[0].carry
@@ -460,6 +461,16 @@ class Engine:
             parts = [p.carry[0].rows([p.carry[1]]) for p in pendings]
             carry = parts[0] if len(parts) == 1 else Activations.concat(parts)
         return Step(stage, batch.cell, (), tasks, carry)
+
+    @staticmethod
+    def _payload(p: _Pending, model: str) -> Any:
+        """A request's input to a first stage of ``model``: the one its previous step made for
+        that model (a cascade level's pruned text for the next level: ``outputs["_next"]``),
+        else the request's own."""
+        made = None if p.outputs is None else p.outputs.get("_next")
+        if made is not None and model in made:
+            return made[model]
+        return p.item.payload
 
     def _dispatch(self, batch: Batch, now: float) -> None:
         if batch.instance not in self._idle:
@@ -565,8 +576,9 @@ class Engine:
         outcome = "ok" if now <= p.request.deadline else "late"
         self.stats.outcomes[outcome] += 1
         start = p.first_start if p.first_start is not None else now
+        outputs = {k: v for k, v in p.outputs.items() if not k.startswith("_")}  # "_...": the engine's own
         p.future.set_result(Answer(
-            {**p.outputs, **self._served_info(p.request.id)}, outcome, cell=p.cell, batch_size=p.batch_size,
+            {**outputs, **self._served_info(p.request.id)}, outcome, cell=p.cell, batch_size=p.batch_size,
             queue_ms=(start - p.request.arrival) * 1e3, compute_ms=p.compute_s * 1e3,
             latency_ms=(now - p.request.arrival) * 1e3,
         ))

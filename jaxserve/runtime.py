@@ -24,16 +24,21 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from jaxserve.cascade import CascadeText, next_inputs, tokenizer_for
 from jaxserve.polymorph import PolymorphTable, pad_image_batch, pad_token_batch, unpad_rows
 from jaxserve.sched.base import AccuracyProfile, Cell, ShapeGrid
 
 
 @dataclass(frozen=True)
 class TaskHead:
-    """A linear classification head: ``softmax(features @ weight + bias)``.
+    """A linear classification head: ``softmax((features @ weight + bias) / temperature)``.
 
     With ``weight`` None the executable already produced the logits (a model's own
     head, e.g. the demo ViT's digit classifier) and only the softmax is applied.
+    ``temperature`` (> 0, finite; 1.0 = none) is the head's calibration, fitted by its
+    training script (temperature scaling on a validation split); it never changes the
+    argmax, only how confident the probabilities are. Files saved before it existed load
+    with 1.0.
     """
 
     name: str
@@ -42,6 +47,7 @@ class TaskHead:
     bias: np.ndarray | None  # [classes]
     feature: str = "embedding"  # which executable output it reads
     accuracy: float | None = None  # held-out accuracy reported by its training script
+    temperature: float = 1.0  # logits are divided by it before the softmax (calibration)
 
     def __post_init__(self) -> None:
         """A head that could fail, or answer garbage, while a batch runs is refused here,
@@ -52,6 +58,8 @@ class TaskHead:
             raise ValueError(f"head {self.name!r}: labels must be distinct and at least one")
         if self.feature not in ("embedding", "logits"):
             raise ValueError(f"head {self.name!r}: feature {self.feature!r} is not 'embedding' or 'logits'")
+        if not (np.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"head {self.name!r}: temperature {self.temperature!r} is not a positive finite number")
         if (self.weight is None) != (self.bias is None) or (self.weight is None) != (self.feature == "logits"):
             raise ValueError(f"head {self.name!r}: a weight and bias over the embedding, or neither over logits")
         if self.weight is None:
@@ -67,6 +75,8 @@ class TaskHead:
     def probabilities(self, features: np.ndarray) -> np.ndarray:
         logits = features if self.weight is None else features @ self.weight + self.bias
         logits = logits[..., : len(self.labels)]  # per-sample heads are padded to the widest task
+        if self.temperature != 1.0:
+            logits = logits / np.float32(self.temperature)
         logits = logits - logits.max(axis=-1, keepdims=True)
         e = np.exp(logits)
         return e / e.sum(axis=-1, keepdims=True)
@@ -75,16 +85,20 @@ class TaskHead:
         np.savez(
             path, labels=np.array(self.labels), weight=self.weight, bias=self.bias,
             feature=np.array(self.feature), accuracy=np.array(-1.0 if self.accuracy is None else self.accuracy),
+            temperature=np.array(float(self.temperature)),
         )
 
     @classmethod
     def load(cls, name: str, path: str | Path) -> "TaskHead":
-        """The head saved at ``path``; ValueError naming the file if it is not a valid one."""
+        """The head saved at ``path``; ValueError naming the file if it is not a valid one.
+        A file without a ``temperature`` array (saved before it existed) loads with 1.0."""
         try:
             with np.load(path) as z:
                 acc = float(z["accuracy"])
+                temperature = float(z["temperature"]) if "temperature" in z.files else 1.0
                 return cls(name, tuple(str(x) for x in z["labels"]), z["weight"].astype(np.float32),
-                           z["bias"].astype(np.float32), str(z["feature"]), None if acc < 0 else acc)
+                           z["bias"].astype(np.float32), str(z["feature"]), None if acc < 0 else acc,
+                           temperature)
         except Exception as exc:  # not an npz, a missing array, a wrong shape or dtype, a bad head
             raise ValueError(f"{path}: not a usable task head ({type(exc).__name__}: {exc})") from None
 
@@ -204,8 +218,21 @@ class TextRuntime(ModelRuntime):
     embedding_dim: int | None = None  # width of the sentence embedding
 
     def prepare_inputs(self, cell: Cell, payloads: Sequence[Any], tasks: Sequence[str], prompts: Any = None) -> tuple:
-        """(ids, mask), each [cell.batch, cell.seq]; tasks are heads only, applied afterwards."""
-        return pad_token_batch(payloads, cell, pad_id=0 if self.tokenizer is None else self.tokenizer.pad_id)
+        """(ids, mask), each [cell.batch, cell.seq]; tasks are heads only, applied afterwards.
+        A payload is token ids or a cascade level's :class:`~jaxserve.cascade.CascadeText`."""
+        ids = [p.ids if isinstance(p, CascadeText) else p for p in payloads]
+        return pad_token_batch(ids, cell, pad_id=0 if self.tokenizer is None else self.tokenizer.pad_id)
+
+    def execute(self, cell: Cell, payloads: Sequence[Any], tasks: Sequence[str]) -> BatchOutput:
+        """As :meth:`ModelRuntime.execute`; a cascade level's item also gets ``_next``, the
+        inputs of the models after it (pruned by the executable's ``_importance`` output
+        where it has one and the payload an alpha: jaxserve.cascade), and ``pruned_tokens``."""
+        out = super().execute(cell, payloads, tasks)
+        for item, p in zip(out.items, payloads):
+            if isinstance(p, CascadeText) and p.next_models:
+                item["_next"], item["pruned_tokens"] = next_inputs(p, item.get("_importance"), self.tokenizer,
+                                                                   tokenizer_for)
+        return out
 
     def example_inputs(self, cell: Cell) -> tuple:
         return self.prepare_inputs(cell, [[1000] * cell.seq] * cell.batch, [""] * cell.batch)
