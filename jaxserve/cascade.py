@@ -110,3 +110,21 @@ def tokenizer_for(model: str):
     from jaxserve.models.tokenizer import TextTokenizer
 
     return TextTokenizer(registry.text_tokenizer_path(model))
+
+
+def truncated_text(tokenizer, text: str, max_tokens: int) -> tuple[str, list[int]]:
+    """``text`` cut after its last whole word that fits ``max_tokens`` tokens (with the special
+    tokens), and its ids: a cascade prunes and re-tokenizes the text itself, so a truncated
+    request's text must be exactly what its first level ran, never a word cut in half."""
+    ids, word_of_token, spans = tokenizer.encode_words(text)
+    if len(ids) <= max_tokens:
+        return text, ids
+    room = max_tokens - (len(ids) - sum(w is not None for w in word_of_token))  # tokens left for words
+    words = [w for w in word_of_token if w is not None]
+    if room <= 0:
+        return "", tokenizer.encode([""])[0]
+    last = words[room - 1]
+    if room < len(words) and words[room] == last:  # that word does not fit whole
+        last -= 1
+    cut = text[: spans[last][1]] if last >= 0 else ""
+    return cut, tokenizer.encode([cut])[0]

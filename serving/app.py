@@ -45,6 +45,7 @@ import io
 import logging
 import time
 import uuid
+import zlib
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,8 +59,10 @@ from PIL import Image, UnidentifiedImageError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from jaxserve.cascade import CascadeText, truncated_text
 from jaxserve.engine import Answer, Draining, Engine, ExecutionFailed, Item, Overloaded, TooManyItems
 from jaxserve.runtime import ImageRuntime, ModelRuntime, TextRuntime
+from jaxserve.sched.tabi import TabiPolicy
 from serving.metrics import Metrics
 from serving.schemas import (
     ClassifyImageRequest,
@@ -72,6 +75,7 @@ from serving.schemas import (
 log = logging.getLogger("jaxserve.serving")
 
 _KINDS = {TextRuntime: "text", ImageRuntime: "image"}  # a runtime class as the API names its models' kind
+CASCADE_MODEL = "tabi"  # what /v1/classify/text calls the cascade of --policy tabi (and its baselines)
 
 
 class ApiError(Exception):
@@ -545,20 +549,54 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
         results = []
         for i, a in enumerate(answers):
             probs = a.outputs.get("probabilities")  # labels: those of the head its batch ran with
-            results.append({
+            result = {
                 "index": i, "label": a.outputs.get("label"), "meta": _meta(a),
-                "probabilities": None if probs is None else {l: float(p) for l, p in zip(a.outputs["labels"], probs)}})
+                "probabilities": None if probs is None else {l: float(p) for l, p in zip(a.outputs["labels"], probs)}}
+            if "levels" in a.outputs:  # a cascade's answer
+                result.update(levels=a.outputs["levels"], confidence=a.outputs["confidence"],
+                              pruned_tokens=a.outputs["pruned_tokens"])
+            results.append(result)
         metrics.request_done(path, 200)
         return FastJSON({"model": model, "task": task, "results": results})
 
     @app.post("/v1/classify/text", response_model=ClassifyResponse)
     async def classify_text(req: ClassifyTextRequest, http: Request):
-        rt = runtime(req.model, TextRuntime)
+        policy = engine().policy
+        if isinstance(policy, TabiPolicy):
+            return await classify_cascade(policy, req, http)
+        model = req.model or "minilm-l6"
+        rt = runtime(model, TextRuntime)
         head(rt, req.task)
         ids = await tokenize(rt, req.inputs, req.truncate, "inputs")
         answers = await run_items(
-            [Item(req.model, seq, len(seq), req.task, req.slo_ms, req.utility) for seq in ids], http, "inputs")
-        return classify_response(req.model, req.task, answers, "/v1/classify/text")
+            [Item(model, seq, len(seq), req.task, req.slo_ms, req.utility) for seq in ids], http, "inputs")
+        return classify_response(model, req.task, answers, "/v1/classify/text")
+
+    async def classify_cascade(policy: TabiPolicy, req: ClassifyTextRequest, http: Request) -> FastJSON:
+        """A cascade request (--policy tabi and its baselines): each text starts on its task's
+        first level as a CascadeText (its ids within that model's longest bucket: 413 otherwise,
+        unless ``truncate``), seeded by ``seed`` or the text's CRC32."""
+        if req.model not in (None, CASCADE_MODEL):
+            raise ApiError(404, f"this server serves text classification through its cascade: model must be "
+                                f"{CASCADE_MODEL!r} (or left out), not {req.model!r}", "model")
+        if req.task not in policy.candidates:
+            reason = getattr(policy, "unavailable", {}).get(req.task)
+            raise ApiError(404, f"task {req.task!r} is not served: {reason}" if reason else
+                           f"unknown task {req.task!r}; the cascade serves {sorted(policy.candidates)}", "task")
+        cand = policy.candidates[req.task]
+        rt = runtime(cand.levels[0], TextRuntime)
+        texts = list(req.inputs)
+        ids = await tokenize(rt, texts, req.truncate, "inputs")
+        limits = tuple(engine().runtimes[m].grid.max_length for m in cand.levels[1:])
+        items = []
+        for text, seq in zip(texts, ids):
+            if req.truncate and len(rt.tokenizer.encode([text])[0]) > len(seq):
+                text, seq = truncated_text(rt.tokenizer, text, len(seq))
+            payload = CascadeText(text, tuple(seq), cand.alpha, cand.levels[1:], limits)
+            seed = req.seed if req.seed is not None else zlib.crc32(text.encode("utf-8", "surrogatepass"))
+            items.append(Item(cand.levels[0], payload, len(seq), req.task, req.slo_ms, req.utility, seed))
+        answers = await run_items(items, http, "inputs")
+        return classify_response(CASCADE_MODEL, req.task, answers, "/v1/classify/text")
 
     @app.post("/v1/classify/image", response_model=ClassifyResponse)
     async def classify_image(req: ClassifyImageRequest, http: Request):

@@ -86,10 +86,13 @@ class _Classify(_Strict):
 
 
 class ClassifyTextRequest(_Classify):
-    model: Text = "minilm-l6"
+    # None: the server's default (minilm-l6; "tabi", the cascade, under --policy tabi and its baselines)
+    model: Text | None = None
     task: Text = "sentiment"
     inputs: list[Text]
     truncate: bool = False
+    # a cascade's rerouting draws derive from it (None: the input text's CRC32): same seed, same route
+    seed: int | None = Field(default=None, ge=0, le=2**62)
 
 
 class ClassifyImageRequest(_Classify):
@@ -130,6 +133,11 @@ class ClassifyItem(BaseModel):
     label: str | None
     probabilities: dict[str, float] | None
     meta: Meta
+    # a cascade's answer (--policy tabi...): the models that ran, small to large, the last one's
+    # calibrated confidence, and the tokens word pruning took out of the next model's input
+    levels: list[str] | None = None
+    confidence: float | None = None
+    pruned_tokens: int | None = None
 
 
 class ClassifyResponse(BaseModel):

@@ -7,4 +7,6 @@ The live engine and the simulator drive the same policy objects; see
 # Policies the server and the simulator can be started with (``--policy``).
 TEXT_STREAM_POLICIES = ("arlo", "st", "dt", "infaas")  # Arlo and its baselines: one text stream owns every instance
 IMAGE_POLICIES = ("otas", "pets", "tome", "vpt")  # OTAS and its baselines: one image model
-SERVE_POLICIES = ("default", *TEXT_STREAM_POLICIES, *IMAGE_POLICIES)
+# Tabi's cascade and its baselines, over the text encoders the cascade profile names (jaxserve/sched/tabi.py)
+CASCADE_POLICIES = ("tabi", "tabi-small", "tabi-large", "tabi-infaas")
+SERVE_POLICIES = ("default", *TEXT_STREAM_POLICIES, *IMAGE_POLICIES, *CASCADE_POLICIES)

@@ -413,3 +413,48 @@ class TabiPolicy(Policy):
                 model = self.candidates[task].levels[level]
                 yield ("exit_share", {"task": task, "level": str(level), "model": model}, n / total if total else 0.0)
         yield ("pruned_token_share", {}, self.tokens_pruned / self.tokens_in if self.tokens_in else 0.0)
+
+
+# -- what a server or a simulation serves: the cascade profile, and each policy's choice --------
+
+
+@dataclass(frozen=True)
+class TaskProfile:
+    """One task of a cascade profile: its label names, the default accuracy target (the
+    largest model's validation accuracy minus 0.5 points) and every candidate profiled on
+    validation (each with its test-split figures in ``test``, when measured)."""
+
+    labels: tuple[str, ...]
+    target_accuracy: float
+    candidates: tuple[Candidate, ...]
+    test: Mapping[str, Mapping] = field(default_factory=dict)
+
+
+def load_cascade_profile(path) -> dict[str, TaskProfile]:
+    """The tasks of a cascade profile file (``jaxserve profile --cascade`` writes it)."""
+    import json
+    from pathlib import Path
+
+    raw = json.loads(Path(path).read_text())
+    return {task: TaskProfile(tuple(t["labels"]), float(t["target_accuracy"]),
+                              tuple(Candidate.from_json(c) for c in t["candidates"]), t.get("test", {}))
+            for task, t in raw["tasks"].items()}
+
+
+def choose(policy: str, task: TaskProfile, target_accuracy: float | None = None,
+           max_cost: float = math.inf) -> Candidate:
+    """The candidate ``policy`` serves a task with: ``tabi`` the cheapest meeting the target
+    (§5); ``tabi-small`` / ``tabi-large`` the first / last model of Tabi's choice alone;
+    ``tabi-infaas`` the cheapest single model meeting the target (INFaaS' selection, one
+    variant per accuracy target and SLO)."""
+    target = task.target_accuracy if target_accuracy is None else target_accuracy
+    singles = [c for c in task.candidates if len(c.levels) == 1]
+    if policy == "tabi-infaas":
+        return select(singles, target, max_cost)
+    chosen = select(task.candidates, target, max_cost)
+    if policy == "tabi":
+        return chosen
+    model = {"tabi-small": chosen.levels[0], "tabi-large": chosen.levels[-1]}.get(policy)
+    if model is None:
+        raise ValueError(f"unknown cascade policy {policy!r}")
+    return next(c for c in singles if c.levels == (model,))

@@ -48,3 +48,16 @@ def test_next_inputs_prune_by_importance_and_retokenize_for_each_next_model():
     assert out["minilm-l3"].text == TEXT and pruned == 0
     # the last level makes no next inputs
     assert next_inputs(CascadeText(TEXT, tuple(ids), 1.0), importance, tok, tokenizer_for) == ({}, 0)
+
+
+def test_a_truncated_cascade_text_ends_at_a_whole_word_and_matches_its_ids():
+    from jaxserve.cascade import truncated_text
+
+    tok = tokenizer_for("minilm-l6")
+    text = "This is unbelievably long text with words"
+    for limit in range(3, 16):
+        cut, ids = truncated_text(tok, text, limit)
+        assert len(ids) <= limit and ids == tok.encode([cut])[0]
+        assert text.startswith(cut) and (cut == text or text[len(cut)] == " ")  # never half a word
+    assert truncated_text(tok, text, 5)[0] == "This is"  # "unbelievably" is 5 tokens: it does not fit
+    assert truncated_text(tok, text, 64)[0] == text
