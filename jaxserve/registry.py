@@ -212,14 +212,14 @@ def text_grid(model: str = "minilm-l6", buckets: tuple[int, ...] | None = None,
 
 def load_text_runtime(name: str = "minilm-l6", cache=None, grid: ShapeGrid | None = None,
                       progress: bool = False, heads_dir: Path | None = None, precision: str = "f32", stop=None,
-                      tune: bool = True) -> TextRuntime:
-    """MiniLM (or any HF-format BERT dir) warmed over its grid, with its task heads.
-    ``precision``: "f32" or "bf16" dense kernels (jaxserve.models.precision); ``stop``: as
-    ``PolymorphTable.warmup``'s; ``tune``: as ``PolymorphTable``'s."""
-    model_dir = minilm_dir()
-    cfg, model = load_hf_bert(model_dir)
+                      tune: bool = True, importance: bool = False) -> TextRuntime:
+    """The text encoder ``name`` (:data:`TEXT_MODELS`) warmed over its grid, with its task
+    heads. ``precision``: "f32" or "bf16" dense kernels (jaxserve.models.precision); ``stop``:
+    as ``PolymorphTable.warmup``'s; ``tune``: as ``PolymorphTable``'s; ``importance``: its
+    executables also output the attention importance vector (a cascade's first level)."""
+    cfg, model, tokenizer_json = load_text_model(name, progress=progress)
     grid = grid or text_grid(name)
-    table = PolymorphTable(bert_servable(name, cfg, grid, precision), cache, tune=tune)
+    table = PolymorphTable(bert_servable(name, cfg, grid, precision, importance=importance), cache, tune=tune)
     table.warmup(progress=progress, stop=stop)
     heads_dir = heads_dir or ASSETS / "heads" / name
 
@@ -234,7 +234,7 @@ def load_text_runtime(name: str = "minilm-l6", cache=None, grid: ShapeGrid | Non
 
     heads, _, _ = read_assets()
     return TextRuntime(name, table, weights_of(model, precision), heads, num_layers=cfg.num_layers,
-                       read_assets=read_assets, tokenizer=TextTokenizer(model_dir / "tokenizer.json"),
+                       read_assets=read_assets, tokenizer=TextTokenizer(tokenizer_json),
                        embedding_dim=cfg.hidden_size)
 
 

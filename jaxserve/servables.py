@@ -12,12 +12,16 @@ from jaxserve.polymorph import Servable, ynn_off
 from jaxserve.sched.base import Cell, ShapeGrid
 
 
-def bert_servable(name: str, cfg: BertConfig, grid: ShapeGrid, precision: str = "f32") -> Servable:
+def bert_servable(name: str, cfg: BertConfig, grid: ShapeGrid, precision: str = "f32",
+                  importance: bool = False) -> Servable:
     """Text encoder cells (batch, seq bucket) -> {'embedding', 'cls'} per row.
 
     ``precision`` "bf16" takes bfloat16 dense kernels (jaxserve.models.precision); its
-    weights must be cast the same way (:func:`weights_of`).
+    weights must be cast the same way (:func:`weights_of`). ``importance``: the cells also
+    output ``_importance`` [B, S], Tabi's attention importance vector (a cascade's first level).
     """
+    if importance:
+        raise NotImplementedError("the importance output is not built yet")
     if grid.max_length > cfg.max_position:
         raise ValueError(f"bucket {grid.max_length} exceeds max_position {cfg.max_position}")
     graphdef, abstract_state = abstract_bert(cfg)
