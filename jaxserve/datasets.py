@@ -449,8 +449,10 @@ TEXT_SPLITS = ("train", "val", "test")
 TEXT_SPLIT_SEED = 0
 
 
+@lru_cache(maxsize=None)
 def text_task_corpus(task: str) -> tuple[tuple[str, ...], np.ndarray]:
-    """(unique texts, labels) of a :data:`TEXT_TASKS` task, before splitting."""
+    """(unique texts, labels) of a :data:`TEXT_TASKS` task, before splitting (memoised: do not
+    modify the returned array)."""
     if task == "tweets":
         tweets = unique_tweets()
         return tweets.texts, tweets.labels
