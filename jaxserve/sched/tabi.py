@@ -458,3 +458,50 @@ def choose(policy: str, task: TaskProfile, target_accuracy: float | None = None,
     if model is None:
         raise ValueError(f"unknown cascade policy {policy!r}")
     return next(c for c in singles if c.levels == (model,))
+
+
+class Replay:
+    """The outputs a simulated cascade step gets (``simulate(..., summary_of=...)``), replayed
+    from real ones: per test item, every model's calibrated probabilities on the full text and
+    (for the models after a first level) on that first level's pruned text, and the token
+    lengths (``training/profile_cascade.py`` writes them, ``<task>-replay.npz``). Request ``r``
+    of a simulated trace is test item ``items[r]``."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], candidate: Candidate, items: np.ndarray):
+        self.arrays = arrays
+        self.candidate = candidate
+        self.items = np.asarray(items)
+        self.labels = np.asarray(arrays["labels"])
+        self._first = candidate.levels[0]
+
+    @classmethod
+    def load(cls, path, candidate: Candidate, items: np.ndarray) -> "Replay":
+        with np.load(path) as z:
+            return cls({k: z[k] for k in z.files}, candidate, items)
+
+    def _key(self, kind: str, model: str) -> str:
+        pruned = f"{kind}/{model}|pruned-by|{self._first}"
+        if model != self._first and self.candidate.alpha is not None and pruned in self.arrays:
+            return pruned
+        return f"{kind}/{model}"
+
+    def length(self, model: str, item: int) -> int:
+        return int(self.arrays[self._key("length", model)][item])
+
+    def first_lengths(self) -> np.ndarray:
+        """The first level's token lengths of the trace's requests."""
+        return self.arrays[f"length/{self._first}"][self.items].astype(np.int64)
+
+    def __call__(self, request_id: int, batch) -> StepSummary:
+        item = int(self.items[request_id])
+        probs = tuple(float(x) for x in self.arrays[self._key("probs", batch.model)][item])
+        levels = self.candidate.levels
+        at = levels.index(batch.model)
+        nxt, pruned = (), 0
+        if at + 1 < len(levels):
+            m = levels[at + 1]
+            n = self.length(m, item)
+            nxt = ((m, n),)
+            if at == 0:
+                pruned = max(0, int(self.arrays[f"length/{m}"][item]) - n)
+        return StepSummary(max(probs), None, probs, nxt, pruned)

@@ -202,3 +202,23 @@ def test_withdrawn_and_unknown_requests():
         policy.on_arrival(Request(3, 0.0, "l", "t", 10), 0.0)
     with pytest.raises(ValueError, match="not served"):
         TabiPolicy({"t": Candidate("t", ("s", "x"), (0.9,))}, {"s": GRID}, COST, {"t": ("a", "b")})
+
+
+def test_replay_gives_each_level_its_recorded_outputs_and_the_pruned_lengths():
+    from jaxserve.sched.base import Batch
+    from jaxserve.sched.tabi import Replay
+
+    arrays = {"labels": np.array([0, 1]),
+              "probs/s": np.array([[0.9, 0.1], [0.6, 0.4]]), "length/s": np.array([20, 30]),
+              "probs/l": np.array([[0.8, 0.2], [0.3, 0.7]]), "length/l": np.array([22, 33]),
+              "probs/l|pruned-by|s": np.array([[0.7, 0.3], [0.2, 0.8]]), "length/l|pruned-by|s": np.array([15, 25])}
+    pruning = Candidate("t", ("s", "l"), (0.8,), 10.0, 0.7)
+    replay = Replay(arrays, pruning, items=np.array([1, 0]))  # request 0 is item 1
+    assert replay.first_lengths().tolist() == [30, 20]
+    small = replay(0, Batch((0,), "s", Cell(1, 32)))
+    assert small.probabilities == (0.6, 0.4) and small.top_probability == 0.6
+    assert small.next_lengths == (("l", 25),) and small.pruned_tokens == 33 - 25
+    assert replay(0, Batch((0,), "l", Cell(1, 32))).probabilities == (0.2, 0.8)  # on the pruned text
+    plain = Replay(arrays, Candidate("t", ("s", "l"), (0.8,)), items=np.array([1, 0]))
+    assert plain(0, Batch((0,), "s", Cell(1, 32))).next_lengths == (("l", 33),)
+    assert plain(0, Batch((0,), "l", Cell(1, 32))).probabilities == (0.3, 0.7)
