@@ -33,6 +33,8 @@ from jaxserve.launch import (
     load_runtimes,
     make_policy,
     profile_latency,
+    cascade_profile_path,
+    simulate_cascade,
     simulated_models,
 )
 from jaxserve.models.bert import load_hf_bert
@@ -60,7 +62,8 @@ from jaxserve.registry import (
     vit_demo_prompts_dir,
 )
 from jaxserve.runtime import ImageRuntime
-from jaxserve.sched import IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES
+from jaxserve.sched import CASCADE_POLICIES, IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES
+from jaxserve.sched.tabi import load_cascade_profile
 from jaxserve.sched.base import Cell, CostModel, ShapeGrid
 from jaxserve.servables import bert_servable, weights_of
 from jaxserve.simulator import simulate
@@ -240,6 +243,14 @@ POSITIVE_INT = _number(int, 1)
 POSITIVE, NON_NEGATIVE = _number(float, 0, strict=True), _number(float, 0)
 
 
+def _fraction(text: str) -> float:
+    """A number in (0, 1]: an accuracy target."""
+    value = POSITIVE(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text} (0.9, not 90)")
+    return value
+
+
 def _image_gammas(args) -> tuple[int, ...]:
     """The image grid's gammas: --gammas if given; under an OTAS-family policy (or when
     profiling accuracy) the model's whole OTAS list, so every baseline compiles the same grid
@@ -296,6 +307,7 @@ def cmd_serve(args) -> int:
         **_served(args), extra=_otas_extra(args),
         slo_ms=args.slo_ms, arlo_period_s=args.arlo_period_s, arlo_max_batch=args.arlo_max_batch,
         dt_penalty=args.dt_penalty, arlo_autoscale_from=args.arlo_autoscale_from,
+        cascade_profile=args.cascade_profile, tabi_target_accuracy=args.tabi_target_accuracy,
         workers=args.workers, ray_address=args.ray_address, worker_cpus=args.worker_cpus,
         worker_gpus=args.worker_gpus,
     )
@@ -313,9 +325,14 @@ def cmd_serve(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    """Per-cell latency for the cost model; with --staircase, the bucket boundaries too."""
+    """Per-cell latency for the cost model; with --staircase, the bucket boundaries too; with
+    --cascade, Tabi's candidates (training/profile_cascade.py)."""
     if args.staircase:
         return _staircase(args)
+    if args.cascade:
+        from training.profile_cascade import main as profile_cascade  # see that module's docstring
+
+        return profile_cascade([])
     cache = CompileCache(args.cache_dir)
     with _stop_on_ctrl_c() as stop:
         runtimes = load_runtimes(ServeSettings(models=_models(args), cache_dir=args.cache_dir,
@@ -363,8 +380,37 @@ def _staircase(args) -> int:
     return 0
 
 
+def _arrivals(args) -> np.ndarray:
+    if args.trace == "poisson":
+        return traces.poisson_arrivals(args.rate, n=args.requests, seed=args.seed)
+    if args.trace == "gamma":
+        return traces.gamma_arrivals(args.rate, args.cv, n=args.requests, seed=args.seed)
+    return traces.mmpp_arrivals((args.rate * 0.5, args.rate * 2.5), (2.0, 0.5), n=args.requests, seed=args.seed)
+
+
+def _simulate_cascade(args) -> int:
+    """--policy tabi (or a baseline): the task's test split replayed through the cascade."""
+    if args.trace not in ("poisson", "mmpp", "gamma"):
+        raise CliError(f"--policy {args.policy} simulates generated arrivals (poisson, mmpp, gamma): each request "
+                       "is a test item of --task, replayed")
+    profile = Path(args.cascade_profile) if args.cascade_profile else None
+    tasks = load_cascade_profile(profile or cascade_profile_path(ServeSettings()))
+    task = args.task or sorted(tasks)[0]
+    if task not in tasks:
+        raise CliError(f"--task {task}: the cascade profile has {sorted(tasks)}")
+    t0 = time.perf_counter()
+    out = simulate_cascade(args.policy, task, _arrivals(args), seed=args.seed, instances=args.instances,
+                           slo_ms=args.slo_ms, target_accuracy=args.tabi_target_accuracy, profile_path=profile,
+                           latency_noise=args.latency_noise)
+    out["wall_seconds"] = time.perf_counter() - t0
+    print(json.dumps({"task": task, **out}, indent=1, default=float))
+    return 0
+
+
 def cmd_simulate(args) -> int:
     """Run a policy on a virtual clock with the profiled cost model."""
+    if args.policy in CASCADE_POLICIES:
+        return _simulate_cascade(args)
     cost = load_cost_model(args.cost_model)
     model = args.sim_model or ("vit-demo" if args.policy in IMAGE_POLICIES else "minilm-l6")
     if model not in cost.latency:
@@ -373,13 +419,7 @@ def cmd_simulate(args) -> int:
     grid = planned[model].grid
     slo = args.slo_ms / 1e3 if args.slo_ms else float("inf")
     if args.trace in ("poisson", "mmpp", "gamma"):
-        if args.trace == "poisson":
-            arrivals = traces.poisson_arrivals(args.rate, n=args.requests, seed=args.seed)
-        elif args.trace == "gamma":
-            arrivals = traces.gamma_arrivals(args.rate, args.cv, n=args.requests, seed=args.seed)
-        else:
-            arrivals = traces.mmpp_arrivals((args.rate * 0.5, args.rate * 2.5), (2.0, 0.5), n=args.requests,
-                                            seed=args.seed)
+        arrivals = _arrivals(args)
         lengths = traces.sample_lengths(_tweet_lengths() if grid.seq_buckets else 0, len(arrivals), seed=args.seed)
         if grid.seq_buckets:
             lengths = np.minimum(lengths, grid.max_length)
@@ -543,6 +583,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="image OTAS gammas, e.g. --gammas=-2,0,2 (default: the model's OTAS list under "
                              "--policy otas|pets|tome|vpt or profile --accuracy, else 0)")
 
+    def cascade_arguments(sp):
+        sp.add_argument("--cascade-profile", type=_existing_file, default=None,
+                        help="tabi*: the cascade profile (jaxserve profile --cascade; default: the shipped "
+                             "jaxserve/profiles/cascade.json)")
+        sp.add_argument("--tabi-target-accuracy", type=_fraction, default=None,
+                        help="tabi*: each task's accuracy target, 0-1 (default: the largest model's validation "
+                             "accuracy minus 0.5 points)")
+
     def common(sp):
         sp.add_argument("--model", action="append", choices=KNOWN_MODELS,
                         help=f"repeatable; default: {', '.join(MODELS)}")
@@ -570,7 +618,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--port", type=_port, default=8000)
     sp.add_argument("--policy", default="default", choices=SERVE_POLICIES,
                     help="default: deadline-aware batching; text (one model): arlo and its baselines st, dt, "
-                         "infaas; images (one model): otas and its baselines pets, tome, vpt")
+                         "infaas; images (one model): otas and its baselines pets, tome, vpt; text "
+                         "classification by a cascade of encoders: tabi and its baselines tabi-small, "
+                         "tabi-large, tabi-infaas (the models come from the cascade profile)")
     sp.add_argument("--instances", "--num-workers", dest="instances", type=POSITIVE_INT, default=2,
                     help="workers that run steps (default 2: measured in bench/RESULTS.md, load)")
     sp.add_argument("--workers", choices=("thread", "ray"), default="thread",
@@ -609,6 +659,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the deadline of every request that sends no slo_ms of its own (default: none); "
                          "arlo/st/dt/infaas also plan for it as the stream's SLO (default there: the paper's "
                          "150 ms scaled by the profile)")
+    cascade_arguments(sp)
     sp.add_argument("--arlo-period-s", type=POSITIVE, default=120.0, help="arlo: Runtime Scheduler period")
     sp.add_argument("--arlo-max-batch", type=POSITIVE_INT, default=None,
                     help="arlo/st/dt/infaas: requests per batch (default: arlo from the profile, the others 1)")
@@ -633,6 +684,9 @@ def main(argv: list[str] | None = None) -> int:
     served(sp)
     sp.add_argument("--accuracy", action="store_true",
                     help="also profile accuracy per (task, gamma) on the held-out profiling split (OTAS)")
+    sp.add_argument("--cascade", action="store_true",
+                    help="instead: profile Tabi's cascade candidates of every text task on validation, report "
+                         "the chosen ones on test, write jaxserve/profiles/cascade.json and the replay files")
     sp.set_defaults(fn=cmd_profile)
 
     sp = sub.add_parser("train-prompts", help="train OTAS prompts and heads on the frozen demo ViT")
@@ -661,6 +715,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="each client leaves this long after sending; a request still queued then is "
                          "withdrawn, as the server does when a connection closes (default: clients wait)")
     sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--task", default=None,
+                    help="--policy tabi and its baselines: the task whose test items are replayed "
+                         "(default: the cascade profile's first)")
+    cascade_arguments(sp)
     sp.set_defaults(fn=cmd_simulate)
 
     sp = sub.add_parser("demo", help="embed and classify a few real sentences and digits")

@@ -431,3 +431,62 @@ def settle_heap() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
+
+
+def cascade_cost_model(task_entry: Mapping, models) -> CostModel:
+    """The cascade profile's batch-1 bucket latencies of ``models`` as a cost model (what a
+    simulated cascade prices its steps with: the paper's setting, batch 1)."""
+    latency = {m: LatencyProfile(m, {Cell(1, int(b)): ms / 1e3 for b, ms in task_entry["bucket_ms"][m].items()})
+               for m in models}
+    return CostModel(latency=latency, machine="cascade profile")
+
+
+def simulate_cascade(policy: str, task: str, arrivals, *, seed: int = 0, instances: int = 1,
+                     slo_ms: float | None = None, target_accuracy: float | None = None,
+                     profile_path: Path | None = None, latency_noise: float = 0.0) -> dict:
+    """A cascade policy (``tabi`` or a baseline) on ``task``, simulated on ``arrivals``: each
+    request a test item drawn at random (seeded), each step's outputs replayed from the real
+    ones (``jaxserve.sched.tabi.Replay``), priced by the profile's batch-1 bucket latencies.
+    Returns the simulator's summary plus the answers' accuracy, the share of requests that
+    return at each level and the share of tokens pruned."""
+    import json as _json
+
+    import numpy as np
+
+    from jaxserve.sched.tabi import Replay
+    from jaxserve.simulator import simulate
+    from jaxserve.traces import make_trace
+
+    path = profile_path or registry.PROFILES / "cascade.json"
+    raw = _json.loads(Path(path).read_text())["tasks"][task]
+    profiles = load_cascade_profile(path)
+    max_cost = slo_ms / 1e3 if slo_ms else float("inf")
+    cand = choose(policy, profiles[task], target_accuracy, max_cost)
+    arrivals = np.asarray(arrivals, np.float64)
+    replay_file = registry.ASSETS / "cascade" / f"{task}-replay.npz"
+    with np.load(replay_file) as z:
+        n_items = len(z["labels"])
+    items = np.random.default_rng(seed).integers(0, n_items, len(arrivals))
+    replay = Replay.load(replay_file, cand, items)
+    cost = cascade_cost_model(raw, cand.levels)
+    grids = {m: ShapeGrid((1,), tuple(sorted(c.seq for c in cost.latency[m].cells()))) for m in cand.levels}
+    lengths = np.minimum(replay.first_lengths(), grids[cand.levels[0]].max_length)
+    trace = make_trace(arrivals, model=cand.levels[0], task=task, length=lengths,
+                       slo_s=slo_ms / 1e3 if slo_ms else float("inf"))
+    tabi = TabiPolicy({task: cand}, grids, cost, {task: profiles[task].labels}, max_queue=10**9, max_wait=0.0)
+    result = simulate(tabi, trace, cost, instances=instances, summary_of=replay, latency_noise=latency_noise,
+                      seed=seed)
+    right, answered = 0, 0
+    for r in range(len(trace)):
+        answer = tabi.describe_request(r)
+        if answer:
+            answered += 1
+            right += answer["label"] == profiles[task].labels[int(replay.labels[items[r]])]
+    summary = result.summary()
+    exits = tabi.exits[task]
+    return {"candidate": cand.name(), "accuracy": right / answered if answered else float("nan"),
+            "mean_latency_ms": summary["mean_latency"] * 1e3, "p98_ms": summary["p98"] * 1e3,
+            "slo_attainment": summary.get("slo_attainment"),
+            "exit_shares": [e / max(1, sum(exits)) for e in exits],
+            "pruned_token_share": tabi.tokens_pruned / tabi.tokens_in if tabi.tokens_in else 0.0,
+            "requests": len(trace)}
