@@ -30,6 +30,16 @@ the moderate load ``bench/fidelity.py`` checks.
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/abandon.py", "bench/load.py", "bench/httpload.py", "bench/fidelity.py", "jaxserve/simulator.py",
+    "serving", "jaxserve/engine.py", "jaxserve/launch.py", "jaxserve/workers.py", "jaxserve/cli.py",
+    "jaxserve/sched/base.py", "jaxserve/sched/batching.py", "jaxserve/models", "jaxserve/kernels",
+    "jaxserve/polymorph.py", "jaxserve/servables.py", "jaxserve/compile_cache.py", "jaxserve/runtime.py",
+)
+SECTIONS = {"abandon": "--write"}
+
 import argparse
 import asyncio
 import sys
@@ -38,7 +48,7 @@ import time
 import numpy as np
 import orjson
 
-from bench.common import record, scrape, table
+from bench.common import add_quick, apply_quick, record, scrape, table
 from bench.httpload import Pool, at
 from bench.load import TEXT_PATH, arrivals, sample_texts, start, stop
 
@@ -130,7 +140,8 @@ def main():
     ap.add_argument("--cache-dir", default="compiled_cache")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write", action="store_true")
-    args = ap.parse_args()
+    add_quick(ap, duration=2.0, rate=50.0)
+    args = apply_quick(ap.parse_args())
     texts = sample_texts()
     schedule = arrivals("poisson", args.rate, args.duration, args.seed)
     url = f"http://127.0.0.1:{args.port}"

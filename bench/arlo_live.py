@@ -33,6 +33,17 @@ Decisions (also in the RESULTS notes):
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/arlo_live.py", "bench/load.py", "bench/profiles/minilm-l6-cpu.json", "jaxserve/sched/arlo",
+    "jaxserve/sched/baselines.py", "serving", "jaxserve/engine.py", "jaxserve/launch.py",
+    "jaxserve/workers.py", "jaxserve/cli.py", "jaxserve/sched/base.py", "jaxserve/sched/batching.py",
+    "jaxserve/models", "jaxserve/kernels", "jaxserve/polymorph.py", "jaxserve/servables.py",
+    "jaxserve/compile_cache.py", "jaxserve/runtime.py",
+)
+SECTIONS = {"arlo_live": "--duration 120 --rounds 2 --seed 1 --write"}
+
 import argparse
 import asyncio
 import os
@@ -44,7 +55,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_
 
 import numpy as np  # noqa: E402
 
-from bench.common import PLOTS, record, save_plot, scrape, table  # noqa: E402
+from bench.common import add_quick, apply_quick, PLOTS, record, save_plot, scrape, table  # noqa: E402
 from bench.load import start, stop  # noqa: E402
 
 MODEL = "minilm-l6"
@@ -171,7 +182,8 @@ def main() -> None:
     ap.add_argument("--cache-dir", default="compiled_cache/arlo_live")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write", action="store_true")
-    args = ap.parse_args()
+    add_quick(ap, duration=5.0, rounds=1, warm_s=1.0)
+    args = apply_quick(ap.parse_args())
 
     prof = load_cost_model(PROFILE).latency[MODEL]
     t512 = prof.latency_for(1, 512)

@@ -26,6 +26,18 @@ Decisions (also in the RESULTS notes):
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/arlo_short.py", "bench/arlo_live.py", "bench/load.py",
+    "jaxserve/profiles/minilm-l6-staircase.json", "jaxserve/sched", "jaxserve/simulator.py",
+    "jaxserve/traces.py", "jaxserve/launch.py", "jaxserve/profiler.py",
+)
+SECTIONS = {
+    "arlo_short_causes": "causes --write",
+    "arlo_short": "matrix --write",
+}
+
 import argparse
 import math
 import sys
@@ -458,7 +470,10 @@ def main() -> None:
     ap.add_argument("--cache-dir", default="compiled_cache")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--write", action="store_true")
-    args = ap.parse_args()
+    from bench.common import add_quick, apply_quick
+
+    add_quick(ap, seconds=5.0, live_seconds=5.0)
+    args = apply_quick(ap.parse_args())
     {"causes": cmd_causes, "matrix": cmd_matrix, "live": cmd_live}[args.experiment](args)
 
 

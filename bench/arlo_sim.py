@@ -17,6 +17,21 @@ bench/arlo_workload.py. Run under ``nice -n 10`` (the machine is shared).
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/arlo_sim.py", "bench/arlo_workload.py", "bench/profiles/bert-base-cpu.json",
+    "bench/profiles/bert-base-cpu-raw.json", "jaxserve/sched/arlo", "jaxserve/sched/base.py",
+    "jaxserve/sched/baselines.py", "jaxserve/simulator.py", "jaxserve/traces.py",
+)
+SECTIONS = {
+    "arlo_profile": "profile --write",
+    "arlo_sim": "scales --write",
+    "arlo_runtimes": "runtimes --write",
+    "arlo_dispatch": "dispatch --write",
+    "arlo_periodic": "periodic --write",
+}
+
 import argparse
 import json
 
@@ -171,7 +186,7 @@ def cmd_scales(args) -> None:
     arlo_padding = 1.0
     for i, (label, g, kind, gpu_rate, dur, after, fig) in enumerate(SCALES):
         if args.quick:
-            dur, after = dur / 4, after / 4
+            dur, after = dur / 20, after / 20
         tr = W.stable_trace(gpu_rate, dur, seed=10 + i) if kind == "stable" else W.bursty_trace(gpu_rate, dur, seed=10 + i)
         print(f"{label}: {len(tr):,} requests, {W.rate(gpu_rate):.2f} req/s on this CPU", flush=True)
         runs = scheme_runs(g, tr, after)
@@ -208,7 +223,7 @@ def cmd_scales(args) -> None:
 def cmd_runtimes(args) -> None:
     g, dur, after = 40, 40.0, 15.0
     if args.quick:
-        dur, after = dur / 4, after / 4
+        dur, after = dur / 20, after / 20
     tables, plots = [], []
     for per, seed in ((160.0, 31), (480.0, 32)):
         gpu_rate = g * per
@@ -280,7 +295,7 @@ def cmd_dispatch(args) -> None:
     sections, rows = [], []
     changes: dict[str, dict[str, tuple[float, float]]] = {}
     for label, g, per, kind, kw, seed in DISPATCH_TRACES:
-        dur, after = (40.0, 15.0) if not args.quick else (10.0, 4.0)
+        dur, after = (40.0, 15.0) if not args.quick else (4.0, 1.5)
         if kind == "bursty":
             tr = W.bursty_trace(g * per, dur, seed=seed, **kw)
         else:

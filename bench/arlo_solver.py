@@ -24,6 +24,13 @@ Prints markdown tables; ``--write`` records them as the "arlo_solver" section of
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/arlo_solver.py", "jaxserve/sched/arlo", "jaxserve/sched/base.py",
+)
+SECTIONS = {"arlo_solver": "--runs 20 --write"}
+
 import argparse
 import gc
 import statistics
@@ -176,7 +183,10 @@ def main() -> None:
     ap.add_argument("--skip-solver", action="store_true")
     ap.add_argument("--skip-dispatch", action="store_true")
     ap.add_argument("--write", action="store_true", help="record the tables in bench/RESULTS.md")
-    args = ap.parse_args()
+    from bench.common import add_quick, apply_quick
+
+    add_quick(ap, runs=1, repeats=2)
+    args = apply_quick(ap.parse_args())
     profile = None
     if args.cost_model:
         profile = CostModel.from_json(args.cost_model.read_text()).latency[args.model]

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import save_plot
+from bench.common import PLOTS, save_plot  # noqa: F401  (PLOTS: arlo_sim writes under W.PLOTS)
 from jaxserve import traces
 from jaxserve.sched.arlo import ArloPolicy, allocation_problem, demand_per_window, solve_allocation
 from jaxserve.sched.base import CostModel, ShapeGrid, bucket_for_length
@@ -56,7 +56,6 @@ from jaxserve.sched.baselines import (
 from jaxserve.simulator import SimResult, simulate
 
 PROFILE = Path(os.environ.get("ARLO_PROFILE", Path(__file__).parent / "profiles" / "bert-base-cpu.json"))
-PLOTS = Path(__file__).parent / "plots"
 MODEL = "bert-base"
 MAX_LEN = 512
 PAPER_TWEET_SPAN = 125  # tokens spanned by the paper's Twitter trace before recalibration

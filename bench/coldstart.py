@@ -20,6 +20,14 @@ ready (imports and weight loading included), as the parent measures it.
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/coldstart.py", "jaxserve/registry.py", "jaxserve/models", "jaxserve/kernels",
+    "jaxserve/polymorph.py", "jaxserve/servables.py", "jaxserve/compile_cache.py", "jaxserve/runtime.py",
+)
+SECTIONS = {"coldstart": "--write"}
+
 import argparse
 import json
 import shutil
@@ -29,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import record, table
+from bench.common import add_quick, apply_quick, record, table
 
 
 def child(state: str, cache_dir: str, model: str) -> None:
@@ -66,7 +74,8 @@ def main():
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--model", default="minilm-l6")
     ap.add_argument("--write", action="store_true")
-    args = ap.parse_args()
+    add_quick(ap, model="vit-demo")
+    args = apply_quick(ap.parse_args())
     if args.child:
         return child(args.child, args.cache_dir, args.model)
 

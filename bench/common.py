@@ -1,18 +1,91 @@
 """Shared by the benchmarks: markdown tables and recording them in bench/RESULTS.md.
 
-Each benchmark owns one section of RESULTS.md, delimited by HTML comments, and
-rewrites only that section, stamped with the machine, the date and the command.
+Each benchmark owns one or more sections of RESULTS.md, delimited by HTML comments, and
+rewrites only its own, stamped by :func:`stamp` (the one place stamps are made): the commit,
+the machine (CPU model, cores, platform), the jax and jaxlib versions, the date (UTC) and the
+exact command.
+
+Each script declares, at module level and as literals (read with ``ast`` by
+:func:`declarations`, never by importing the script):
+
+- ``MEASURES``: the repository paths whose code its numbers measure (the script itself, the
+  jaxserve modules it exercises); ``python -m bench.status`` calls a section stale when one of
+  them changed in a commit the section's stamped commit does not contain;
+- ``SECTIONS``: ``{key: "arguments"}``, the CPU sections it writes and the arguments of the
+  run that writes each (``python -m bench.all`` runs them: ``make bench``);
+- optionally ``GPU_SECTIONS``: the same for sections measured on a GPU host (never run by
+  ``bench.all``; they keep their own stamp, and their titles say "GPU").
+
+Quick runs (``--quick``: the same code path on tiny sizes, a smoke test) never touch the real
+RESULTS.md: when the command line holds ``--quick`` every output of this module (RESULTS,
+plots, :func:`output`) goes to a scratch directory (``$JAXSERVE_BENCH_OUT``, default
+``$TMPDIR/jaxserve-bench-quick``), and :func:`splice` refuses a quick section into
+bench/RESULTS.md whatever the paths say.
 """
 
 from __future__ import annotations
 
+import ast
 import datetime as _dt
+import os
 import shlex
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "RESULTS.md"
-PLOTS = Path(__file__).parent / "plots"
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+CANONICAL_RESULTS = BENCH / "RESULTS.md"
+QUICK_MARK = "*Quick run: smoke numbers on tiny sizes, not results.*"
+
+
+def _quick_argv(argv: list[str] | None = None) -> bool:
+    return "--quick" in (sys.argv[1:] if argv is None else argv)
+
+
+def out_dir() -> Path | None:
+    """Where this process's outputs go instead of bench/: ``$JAXSERVE_BENCH_OUT`` if set, a
+    scratch directory for a ``--quick`` run, else None (the real files)."""
+    env = os.environ.get("JAXSERVE_BENCH_OUT")
+    if env:
+        return Path(env)
+    if _quick_argv():
+        return Path(tempfile.gettempdir()) / "jaxserve-bench-quick"
+    return None
+
+
+_OUT = out_dir()
+RESULTS = (_OUT / "RESULTS.md") if _OUT else CANONICAL_RESULTS
+PLOTS = (_OUT / "plots") if _OUT else BENCH / "plots"
+
+
+def output(path: str | Path) -> Path:
+    """A side output of a benchmark (a cost model, a report) at ``path``, or under the scratch
+    directory (same name) when this run's outputs are redirected (see :func:`out_dir`)."""
+    out = out_dir()
+    if out is None:
+        return Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    return out / Path(path).name
+
+
+def add_quick(ap, **small) -> None:
+    """Give ``ap`` a ``--quick`` flag; :func:`apply_quick` then sets ``small``'s values on the
+    parsed arguments (overriding the command line's): the same code path with less work."""
+    shown = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in small.items() if v is not True)
+    ap.add_argument("--quick", action="store_true",
+                    help=f"smoke run on tiny sizes ({shown or 'fewer repeats'}); writes under $JAXSERVE_BENCH_OUT "
+                         "or a scratch directory, never bench/RESULTS.md")
+    ap.set_defaults(_quick_small=small)
+
+
+def apply_quick(args):
+    """``args`` with the quick sizes of :func:`add_quick` applied when ``--quick`` was given."""
+    if getattr(args, "quick", False):
+        for k, v in getattr(args, "_quick_small", {}).items():
+            setattr(args, k, v)
+    return args
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -22,13 +95,42 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def machine() -> str:
+    """CPU model and cores, the platform, and the device kind when it is not the CPU."""
     from jaxserve.profiler import machine_description
 
     import jax
 
     dev = jax.devices()[0]
     kind = "" if dev.platform == "cpu" else f"; {dev.device_kind}"
-    return f"{machine_description()}; jax {jax.__version__} on {dev.platform}{kind}"
+    return f"{machine_description()}; {dev.platform}{kind}"
+
+
+def versions() -> str:
+    import jax
+    import jaxlib
+
+    return f"jax {jax.__version__}, jaxlib {getattr(jaxlib, '__version__', '?')}"
+
+
+def git(*args: str, cwd: Path = ROOT) -> str:
+    """A git command's stdout (stripped) in the repository, or '' if git fails."""
+    try:
+        r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return r.stdout.strip() if r.returncode == 0 else ""
+
+
+def commit_stamp(measures: tuple[str, ...] | list[str] = ()) -> str:
+    """HEAD's hash, with ``+uncommitted`` when any of ``measures`` (or, with none given, any
+    tracked file) differs from HEAD in the working tree: the numbers then measure code no
+    commit holds."""
+    head = git("rev-parse", "HEAD")
+    if not head:
+        return "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", *measures) if measures else \
+        git("status", "--porcelain", "--untracked-files=no")
+    return head + (" +uncommitted" if dirty else "")
 
 
 def invocation() -> list[str]:
@@ -39,12 +141,36 @@ def invocation() -> list[str]:
     return sys.argv
 
 
+def command() -> str:
+    return "python " + " ".join(shlex.quote(a) for a in invocation())
+
+
+def _script_measures() -> tuple[str, ...]:
+    script = Path(sys.argv[0]).resolve()
+    if script.parent == BENCH and script.suffix == ".py":
+        return tuple(declarations(script).get("MEASURES", ()))
+    return ()
+
+
+def stamp(machine_text: str | None = None, command_text: str | None = None,
+          measures: tuple[str, ...] | None = None) -> str:
+    """The stamp every RESULTS.md section carries, as markdown lines: commit (of the files the
+    running script declares in ``MEASURES``), machine, jax/jaxlib versions, date (UTC) and the
+    exact command; plus :data:`QUICK_MARK` on a ``--quick`` run."""
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"*Commit:* {commit_stamp(_script_measures() if measures is None else measures)}",
+             f"*Machine:* {machine_text or machine()}",
+             f"*Versions:* {versions()}",
+             f"*Date:* {date}",
+             f"*Command:* `{command_text or command()}`"]
+    if _quick_argv():
+        lines.append(QUICK_MARK)
+    return "  \n".join(lines)
+
+
 def section(key: str, title: str, body: str, notes: str = "", machine_text: str | None = None) -> str:
-    """One RESULTS.md section, stamped with the machine, the date and this command."""
-    command = "python " + " ".join(shlex.quote(a) for a in invocation())
-    stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
-    return (f"<!-- bench:{key} -->\n## {title}\n\n"
-            f"*Machine:* {machine_text or machine()}  \n*Date:* {stamp}  \n*Command:* `{command}`\n\n"
+    """One RESULTS.md section, stamped by :func:`stamp`."""
+    return (f"<!-- bench:{key} -->\n## {title}\n\n{stamp(machine_text)}\n\n"
             f"{body}\n\n{notes}\n<!-- /bench:{key} -->")
 
 
@@ -53,12 +179,16 @@ def record(key: str, title: str, body: str, notes: str = "") -> None:
     splice(section(key, title, body, notes))
 
 
-def splice(section_text: str) -> None:
-    """Put a section made by :func:`section` (here or on another machine) into RESULTS.md,
-    replacing the one with the same key."""
+def splice(section_text: str, path: Path | None = None) -> Path:
+    """Put a section made by :func:`section` (here or on another machine) into RESULTS.md
+    (``path``, default this run's :data:`RESULTS`), replacing the one with the same key; the
+    file written. A quick run's section is refused (ValueError) for bench/RESULTS.md."""
+    path = Path(path or RESULTS)
     key = section_text.split("<!-- bench:", 1)[1].split(" -->", 1)[0]
+    if QUICK_MARK in section_text and path.resolve() == CANONICAL_RESULTS.resolve():
+        raise ValueError(f"section {key!r} comes from a --quick run: not written into {CANONICAL_RESULTS}")
     new = section_text.strip()
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\nEach section is rewritten by the script named in it.\n"
+    text = path.read_text() if path.exists() else "# Benchmark results\n\nEach section is rewritten by the script named in it.\n"
     start, end = f"<!-- bench:{key} -->", f"<!-- /bench:{key} -->"
     if start in text and end in text:
         head, rest = text.split(start, 1)
@@ -66,7 +196,37 @@ def splice(section_text: str) -> None:
         text = head + new + tail
     else:
         text = text.rstrip() + "\n\n" + new + "\n"
-    RESULTS.write_text(text)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def declarations(script: str | Path) -> dict:
+    """A bench script's module-level literal declarations (``MEASURES``, ``SECTIONS``,
+    ``GPU_SECTIONS``), read with ``ast`` without importing it; {} for names it lacks.
+    ValueError if one of them is not a literal."""
+    tree = ast.parse(Path(script).read_text(), filename=str(script))
+    out = {}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Name) and t.id in ("MEASURES", "SECTIONS", "GPU_SECTIONS"):
+                    try:
+                        out[t.id] = ast.literal_eval(node.value)
+                    except ValueError as exc:
+                        raise ValueError(f"{script}: {t.id} must be a literal") from exc
+    return out
+
+
+def declared_scripts(bench_dir: Path = BENCH) -> dict[str, dict]:
+    """``{module name: declarations}`` for every bench script that declares sections."""
+    out = {}
+    for f in sorted(bench_dir.glob("*.py")):
+        d = declarations(f)
+        if d.get("SECTIONS") or d.get("GPU_SECTIONS"):
+            out[f.stem] = d
+    return out
 
 
 def scrape(url: str, *prefixes: str) -> dict[str, float]:

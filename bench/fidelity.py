@@ -15,6 +15,16 @@ simulated instance is busy 70% of the time.
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/fidelity.py", "bench/load.py", "jaxserve/simulator.py", "jaxserve/traces.py", "serving",
+    "jaxserve/engine.py", "jaxserve/launch.py", "jaxserve/workers.py", "jaxserve/cli.py",
+    "jaxserve/sched/base.py", "jaxserve/sched/batching.py", "jaxserve/models", "jaxserve/kernels",
+    "jaxserve/polymorph.py", "jaxserve/servables.py", "jaxserve/compile_cache.py", "jaxserve/runtime.py",
+)
+SECTIONS = {"fidelity": "--write"}
+
 import argparse
 import asyncio
 import json
@@ -23,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import record, table
+from bench.common import add_quick, apply_quick, record, table
 from bench.load import open_loop, start, stop
 from jaxserve import traces
 from jaxserve.datasets import load_tweets
@@ -123,7 +133,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="live traces (other seeds), pooled")
     ap.add_argument("--write", action="store_true")
-    args = ap.parse_args()
+    add_quick(ap, duration=3.0, calibrate=3.0, repeats=1)
+    args = apply_quick(ap.parse_args())
 
     url = f"http://127.0.0.1:{args.port}"
     server = start([__import__("sys").executable, "-m", "jaxserve.cli", "serve", "--model", "minilm-l6",

@@ -24,6 +24,20 @@ to splice in elsewhere; ``--log-dir`` keeps both servers' output).
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/load.py", "bench/httpload.py", "bench/naive_server.py", "serving", "jaxserve/engine.py",
+    "jaxserve/launch.py", "jaxserve/workers.py", "jaxserve/cli.py", "jaxserve/sched/base.py",
+    "jaxserve/sched/batching.py", "jaxserve/models", "jaxserve/kernels", "jaxserve/polymorph.py",
+    "jaxserve/servables.py", "jaxserve/compile_cache.py", "jaxserve/runtime.py",
+)
+SECTIONS = {
+    "load": "--rates 10,40,80,120,140,160,170,180,190,200,240,280 --write",
+    "load_bf16": "--precision bf16 --instances 2 --arrivals poisson --rates 40,80,100,115,130,160,200,250,350,450,500,550,600,650 --key load_bf16 --write",
+}
+GPU_SECTIONS = {"load_gpu": "--instances 1 --arrivals poisson --rates 100,200,300,400,600,1000,1500 --duration 4 --max-queue 2048 --key load_gpu --out FILE"}  # measured on a GPU host; never run by bench.all
+
 import argparse
 import asyncio
 import atexit
@@ -41,7 +55,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.common import record, section, table
+from bench.common import add_quick, apply_quick, record, section, table
 
 TEXT_PATH = "/v1/embeddings"
 
@@ -283,7 +297,8 @@ def main():
     ap.add_argument("--out", default="", help="write the RESULTS.md section to this file instead "
                     "(to splice in elsewhere: python -m bench.common splice FILE)")
     ap.add_argument("--write", action="store_true")
-    args = ap.parse_args()
+    add_quick(ap, rates="10,20", duration=2.0, instances="1", arrivals="poisson")
+    args = apply_quick(ap.parse_args())
     instance_counts = [int(x) for x in args.instances.split(",")]
     rates = [float(x) for x in args.rates.split(",")]
     texts = sample_texts()

@@ -12,11 +12,20 @@ puts the two prompt modes side by side on accuracy.
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/otas_accuracy.py", "jaxserve/prompts.py", "jaxserve/assets/vit-demo-prompts", "jaxserve/models",
+    "jaxserve/kernels", "jaxserve/polymorph.py", "jaxserve/servables.py", "jaxserve/compile_cache.py",
+    "jaxserve/runtime.py",
+)
+SECTIONS = {"otas-accuracy": "--write"}
+
 import argparse
 import json
 from pathlib import Path
 
-from bench.common import PLOTS, record, save_plot, table
+from bench.common import add_quick, apply_quick, PLOTS, record, save_plot, table
 
 # The optimiser comparison behind jaxserve/prompt_training.py's defaults: the same code
 # (train_repository, task "inverted", P = 4), profiling-split accuracy of (P = 0 probe, P = 4).
@@ -68,7 +77,8 @@ def main() -> None:
     p.add_argument("--accumulate-dir", default=None)
     p.add_argument("--cache-dir", default="compiled_cache")
     p.add_argument("--write", action="store_true")
-    args = p.parse_args()
+    add_quick(p, accumulate_dir=None)
+    args = apply_quick(p.parse_args())
     from jaxserve.registry import OTAS_GAMMAS, vit_demo_prompts_dir
 
     gammas = OTAS_GAMMAS["vit-demo"]

@@ -23,6 +23,17 @@ decode and encode) the cost model does not price.
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/otas_live.py", "bench/otas_utility.py", "bench/load.py", "bench/otas_cost_vit-demo.json",
+    "jaxserve/sched/otas.py", "serving", "jaxserve/engine.py", "jaxserve/launch.py", "jaxserve/workers.py",
+    "jaxserve/cli.py", "jaxserve/sched/base.py", "jaxserve/sched/batching.py", "jaxserve/models",
+    "jaxserve/kernels", "jaxserve/polymorph.py", "jaxserve/servables.py", "jaxserve/compile_cache.py",
+    "jaxserve/runtime.py",
+)
+SECTIONS = {"otas-utility-live": "--write"}
+
 import argparse
 import asyncio
 import base64
@@ -34,7 +45,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.common import PLOTS, record, save_plot, table
+from bench.common import add_quick, apply_quick, PLOTS, record, save_plot, table
 from bench.load import start, stop
 from bench.otas_utility import MODEL, QUERY_TYPES, TOME_GAMMA, VPT_GAMMA, correctness_table, make_workload, score
 
@@ -149,7 +160,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--cache-dir", default="compiled_cache")
     p.add_argument("--write", action="store_true")
-    args = p.parse_args()
+    add_quick(p, duration=5.0, traces="synthetic")
+    args = apply_quick(p.parse_args())
     from jaxserve.profiler import load_cost_model
     from jaxserve.sched.base import ShapeGrid
     from jaxserve.simulator import simulate

@@ -14,12 +14,21 @@ bench/otas_utility.py), with the Alg. 3 load map f(q) derived from it (the paper
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/otas_profile.py", "jaxserve/sched/otas.py", "jaxserve/profiler.py", "jaxserve/prompts.py",
+    "jaxserve/models", "jaxserve/kernels", "jaxserve/polymorph.py", "jaxserve/servables.py",
+    "jaxserve/compile_cache.py", "jaxserve/runtime.py",
+)
+SECTIONS = {"otas-cost-model": "--write"}
+
 import argparse
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import record, table
+from bench.common import add_quick, apply_quick, output, record, table
 
 COST_PATH = Path(__file__).parent / "otas_cost_vit-demo.json"
 BATCHES = (1, 2, 4, 8, 16, 32)
@@ -57,9 +66,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=41)
     p.add_argument("--cache-dir", default="compiled_cache")
-    p.add_argument("--out", default=str(COST_PATH))
+    p.add_argument("--out", default=str(output(COST_PATH)))  # a quick run: the scratch directory
     p.add_argument("--write", action="store_true")
-    args = p.parse_args()
+    add_quick(p, rounds=1)
+    args = apply_quick(p.parse_args())
     from jaxserve.profiler import save_cost_model
     from jaxserve.sched.otas import LoadToGamma
 

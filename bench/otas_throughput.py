@@ -22,12 +22,23 @@ layer's) keeps 197 + P tokens; 'accumulate' keeps every layer's prompts, so laye
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/otas_throughput.py", "jaxserve/profiler.py", "jaxserve/models", "jaxserve/kernels",
+    "jaxserve/polymorph.py", "jaxserve/servables.py", "jaxserve/compile_cache.py", "jaxserve/runtime.py",
+)
+SECTIONS = {
+    "otas-throughput-vit-b16": "--config vit-b16 --batch 8 --repeats 5 --write",
+    "otas-throughput-dinov2-s14": "--config dinov2-s14 --gammas=-21,-18,-15,-12,-8,-4,0,2,4,8 --no-accumulate --repeats 5 --write",
+}
+
 import argparse
 import time
 
 import numpy as np
 
-from bench.common import PLOTS, record, save_plot, table
+from bench.common import add_quick, apply_quick, PLOTS, record, save_plot, table
 
 
 def measure(config_name: str, gammas, batch: int, repeats: int, modes=("replace",), cache_dir=None, log=print):
@@ -109,7 +120,10 @@ def main() -> None:
     p.add_argument("--no-accumulate", action="store_true")
     p.add_argument("--cache-dir", default="compiled_cache")
     p.add_argument("--write", action="store_true")
-    args = p.parse_args()
+    add_quick(p, batch=1, repeats=1, no_accumulate=True)
+    args = apply_quick(p.parse_args())
+    if args.quick:  # the most merged gamma against 0: the goal's ratio, on two executables
+        args.gammas = f"{min(int(g) for g in args.gammas.split(','))},0"
     gammas = [int(g) for g in args.gammas.split(",")]
     modes = ("replace",) if args.no_accumulate else ("replace", "accumulate")
     rows = measure(args.config, gammas, args.batch, args.repeats, modes, args.cache_dir)

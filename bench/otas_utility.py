@@ -40,6 +40,14 @@ load time (weights + executables) as the switching cost, unscaled (it is I/O, no
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/otas_utility.py", "bench/otas_cost_vit-demo.json", "bench/otas_infaas_variants.json",
+    "jaxserve/sched/otas.py", "jaxserve/sched/base.py", "jaxserve/simulator.py", "jaxserve/traces.py",
+)
+SECTIONS = {"otas-utility-sim": "--write"}
+
 import argparse
 import json
 import math
@@ -49,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import PLOTS, record, save_plot, table
+from bench.common import add_quick, apply_quick, PLOTS, record, save_plot, table
 
 QUERY_TYPES = (
     ("parity", 0.6, 0.3), ("parity", 1.0, 0.01),
@@ -259,7 +267,8 @@ def main() -> None:
     p.add_argument("--variants", default=str(Path(__file__).parent / "otas_infaas_variants.json"))
     p.add_argument("--cache-dir", default="compiled_cache")
     p.add_argument("--write", action="store_true")
-    args = p.parse_args()
+    add_quick(p, duration=10.0)
+    args = apply_quick(p.parse_args())
     from jaxserve.profiler import load_cost_model
     from jaxserve.sched.base import ShapeGrid
 

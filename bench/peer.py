@@ -45,6 +45,17 @@ Usage (from the repo root):
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/peer.py", "bench/_torch_worker.py", "bench/fma_peak.c", "jaxserve/models", "jaxserve/kernels",
+    "jaxserve/polymorph.py", "jaxserve/servables.py", "jaxserve/compile_cache.py", "jaxserve/runtime.py",
+)
+SECTIONS = {
+    "peer": "--rounds 3 --cell-seconds 6 --write",
+    "peer_bf16": "--precision bf16 --write",
+}
+
 import argparse
 import contextlib
 import json
@@ -87,7 +98,11 @@ def parse_args(argv=None):
                    help="bf16: ours with bf16 dense kernels vs torch under autocast bf16 (writes peer-bf16.md)")
     p.add_argument("--write", action="store_true",
                    help=f"also write {RESULTS.relative_to(ROOT)} ({RESULTS_BF16.relative_to(ROOT)} with --precision bf16)")
-    return p.parse_args(argv)
+    from bench.common import add_quick, apply_quick
+
+    add_quick(p, models="minilm", batches="8", lengths="32", rounds=1, cell_seconds=0.1, min_seconds=0.05,
+              no_eager_eager=True)
+    return apply_quick(p.parse_args(argv))
 
 
 ARGS = parse_args()
@@ -101,7 +116,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench.common import bert_flops, bert_inputs, invocation, splice  # noqa: E402
+from bench.common import bert_flops, bert_inputs, invocation, output, splice, stamp  # noqa: E402
 from jaxserve import kernels  # noqa: E402
 from jaxserve.models.bert import BERT_CONFIGS, BertConfig, export_hf_bert, init_bert, load_hf_bert, make_encode_fn  # noqa: E402
 from jaxserve.polymorph import PolymorphTable, options_label  # noqa: E402
@@ -505,9 +520,11 @@ def report(args, results: list[CellResult], peaks: dict, info: dict, started: st
 
 
 def results_section(md: str, key: str) -> str:
-    """The report as a bench/RESULTS.md section (it carries its own machine, date and command)."""
+    """The report as a bench/RESULTS.md section: its title, the common stamp (bench.common.stamp),
+    then the report's own lines (they add the load average, torch's versions, the timing)."""
     body = md.strip().replace("\n## ", "\n### ")
-    return f"<!-- bench:{key} -->\n#{body}\n<!-- /bench:{key} -->"
+    title, _, rest = body.partition("\n")
+    return f"<!-- bench:{key} -->\n#{title}\n\n{stamp()}\n{rest}\n<!-- /bench:{key} -->"
 
 
 def _best_eager(r: CellResult) -> str | None:
@@ -649,11 +666,11 @@ def main():
     md = report(args, results, peaks, info, started, time.perf_counter() - t_start)
     print(md)
     if args.write:
-        out = RESULTS_BF16 if args.precision == "bf16" else RESULTS
+        out = output(RESULTS_BF16 if args.precision == "bf16" else RESULTS)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(md)
-        splice(results_section(md, "peer_bf16" if args.precision == "bf16" else "peer"))
-        log(f"wrote {out} and its section in bench/RESULTS.md")
+        written = splice(results_section(md, "peer_bf16" if args.precision == "bf16" else "peer"))
+        log(f"wrote {out} and its section in {written}")
 
 
 if __name__ == "__main__":

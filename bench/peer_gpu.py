@@ -18,6 +18,17 @@ Reported: median over rounds, and speed-ups as the median of same-round ratios.
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/peer_gpu.py", "jaxserve/models", "jaxserve/kernels", "jaxserve/polymorph.py",
+    "jaxserve/servables.py", "jaxserve/compile_cache.py", "jaxserve/runtime.py",
+)
+GPU_SECTIONS = {
+    "peer_gpu": "--models minilm-l6,bert-base --cudagraphs --rounds 5 --out FILE",
+    "peer_gpu_tf32": "--models minilm-l6,bert-base --cudagraphs --rounds 3 --precision default --key peer_gpu_tf32 --out FILE",
+}  # measured on a GPU host; never run by bench.all
+
 import argparse
 import os
 import tempfile

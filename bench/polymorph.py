@@ -15,6 +15,15 @@ first, as a bucketing server does. Throughput counts real (unpadded) tokens.
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/polymorph.py", "jaxserve/models", "jaxserve/kernels", "jaxserve/polymorph.py",
+    "jaxserve/servables.py", "jaxserve/compile_cache.py", "jaxserve/runtime.py",
+)
+SECTIONS = {"polymorph": "--models minilm-l6,bert-base --requests 512 --repeats 3 --write"}
+GPU_SECTIONS = {"polymorph_gpu": "--models bert-base,minilm-l6 --lengths-file LENGTHS.npy --requests 512 --repeats 3 --write --key polymorph_gpu"}  # measured on a GPU host; never run by bench.all
+
 import argparse
 import time
 
@@ -22,7 +31,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import record, table
+from bench.common import add_quick, apply_quick, record, table
 from jaxserve.compile_cache import compile_count, compile_seconds
 from jaxserve.datasets import load_tweets
 from flax import nnx
@@ -156,7 +165,8 @@ def main():
     ap.add_argument("--lengths-file", default=None, help="npy of real tweet token lengths (hosts without the "
                     "corpus); MiniLM then uses random weights of its config")
     ap.add_argument("--key", default="polymorph", help="RESULTS.md section (e.g. polymorph_gpu)")
-    args = ap.parse_args()
+    add_quick(ap, models="minilm-l6", requests=32, repeats=1)
+    args = apply_quick(ap.parse_args())
     all_rows = []
     for name in args.models.split(","):
         rows, buckets, mean_len = bench_model(name, args.requests, args.batch, args.seed, args.repeats,
@@ -170,7 +180,10 @@ def main():
     print(text)
     print(notes)
     if args.write:
-        record(args.key, f"Polymorph buckets vs ST, naive jit and the no-padding limit ({args.key})", text, notes)
+        import jax
+
+        on = " on a GPU" if jax.devices()[0].platform == "gpu" else ""
+        record(args.key, f"Polymorph buckets vs ST, naive jit and the no-padding limit{on} ({args.key})", text, notes)
 
 
 if __name__ == "__main__":

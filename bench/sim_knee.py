@@ -21,6 +21,14 @@ rewrites compiled_cache/cost_model.json whenever it profiles).
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/sim_knee.py", "bench/fidelity.py", "jaxserve/simulator.py", "jaxserve/sched/batching.py",
+    "jaxserve/sched/base.py", "jaxserve/traces.py",
+)
+SECTIONS = {"sim_knee": "--write"}
+
 import argparse
 import hashlib
 import shutil
@@ -28,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import record, table
+from bench.common import add_quick, apply_quick, output, record, table
 from bench.fidelity import grid_of
 from jaxserve import traces
 from jaxserve.datasets import load_tweets
@@ -47,7 +55,8 @@ def main():
     ap.add_argument("--rates", default="120,160,200,240,280,320")
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--write", action="store_true")
-    args = ap.parse_args()
+    add_quick(ap, rates="120", duration=3.0)
+    args = apply_quick(ap.parse_args())
     cost_path = Path(args.cache_dir) / "cost_model.json"
     cost = load_cost_model(cost_path)
     grid = grid_of(cost, "minilm-l6")
@@ -82,7 +91,7 @@ def main():
     print(text)
     print(notes)
     if args.write:
-        shutil.copyfile(cost_path, Path(__file__).parent / "results" / "sim_knee-cost_model.json")
+        shutil.copyfile(cost_path, output(Path(__file__).parent / "results" / "sim_knee-cost_model.json"))
         record("sim_knee", "Knee ceiling on this machine (calibrated simulator)", text, notes)
 
 

@@ -10,6 +10,14 @@ minute (the goal is >= 1,000,000) next to what the policy achieved.
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/sim_speed.py", "jaxserve/simulator.py", "jaxserve/sched/base.py", "jaxserve/sched/batching.py",
+    "jaxserve/traces.py",
+)
+SECTIONS = {"sim_speed": "--write"}
+
 import argparse
 import math
 import time
@@ -70,7 +78,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=200_000)
     parser.add_argument("--write", action="store_true", help="record the table in bench/RESULTS.md")
-    args = parser.parse_args()
+    from bench.common import add_quick, apply_quick
+
+    add_quick(parser, requests=2000)
+    args = apply_quick(parser.parse_args())
     print(f"DeadlineBatching(max_wait=5 ms, max_queue=4096), SLO 50 ms; offered load is relative to "
           f"full (32, 32) batches, so text traces with longer buckets run hotter (see utilization)\n")
     rows = []

@@ -22,6 +22,14 @@ fixed option rule (``--no-tune`` semantics), so the ratio compares the programs,
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/stages.py", "jaxserve/stages.py", "jaxserve/models", "jaxserve/kernels", "jaxserve/polymorph.py",
+    "jaxserve/servables.py", "jaxserve/compile_cache.py", "jaxserve/runtime.py",
+)
+SECTIONS = {"stages": "--write"}
+
 import argparse
 import os
 import statistics
@@ -31,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import bert_inputs, record, table
+from bench.common import add_quick, apply_quick, bert_inputs, record, table
 
 
 def _best_seconds(fn, calls: int) -> float:
@@ -142,7 +150,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=150)
     ap.add_argument("--calls", type=int, default=1, help="calls per alternative per round (the fastest counts)")
     ap.add_argument("--write", action="store_true", help="also write the stages section of bench/RESULTS.md")
-    args = ap.parse_args()
+    add_quick(ap, rounds=3)
+    args = apply_quick(ap.parse_args())
     r = measure(args.batch, args.length, args.cut, args.rounds, args.calls)
     rows = [[view, f"{v['whole_ms']:.2f}", f"{v['chain_ms']:.2f}", f"{v['ratio']:.3f}",
              f"{v['ci'][0]:.3f}–{v['ci'][1]:.3f}", f"{v['q1']:.3f}–{v['q3']:.3f}", f"{v['best_ratio']:.3f}"]

@@ -17,10 +17,18 @@ config can be measured without its checkpoint.
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/tuning.py", "jaxserve/models", "jaxserve/kernels", "jaxserve/polymorph.py",
+    "jaxserve/servables.py", "jaxserve/compile_cache.py", "jaxserve/runtime.py",
+)
+SECTIONS = {"tuning": "--write"}
+
 import argparse
 import math
 
-from bench.common import record, table
+from bench.common import add_quick, apply_quick, record, table
 
 
 def measure(name: str, batch_sizes: tuple[int, ...], buckets: tuple[int, ...]) -> list[dict]:
@@ -53,7 +61,8 @@ def main():
     ap.add_argument("--batch-sizes", default="8,32")
     ap.add_argument("--buckets", default="32,64,128,256")
     ap.add_argument("--write", action="store_true", help="also write the tuning section of bench/RESULTS.md")
-    args = ap.parse_args()
+    add_quick(ap, models="minilm-l6", batch_sizes="8", buckets="32")
+    args = apply_quick(ap.parse_args())
     ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
     rows = [r for name in args.models.split(",") for r in measure(name, ints(args.batch_sizes), ints(args.buckets))]
     body = table(["model", "B", "S", "fixed rule", "tuned", "best ms per candidate", "fixed / tuned"],

@@ -17,6 +17,18 @@ and the time a new actor takes to be ready (serialized executables and weights).
 
 from __future__ import annotations
 
+# What its numbers measure and the runs that write its sections (bench/common.py: declarations;
+# read by bench.all, bench.status and bench.headline without importing this module).
+MEASURES = (
+    "bench/workers.py", "jaxserve/workers.py", "jaxserve/ray_workers.py", "jaxserve/launch.py",
+    "jaxserve/models", "jaxserve/kernels", "jaxserve/polymorph.py", "jaxserve/servables.py",
+    "jaxserve/compile_cache.py", "jaxserve/runtime.py",
+)
+SECTIONS = {
+    "workers": "--section threads --write",
+    "workers-ray": "--section ray --seconds 5 --rounds 9 --write",
+}
+
 import argparse
 import json
 import os
@@ -28,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import record, table
+from bench.common import add_quick, apply_quick, output, record, table
 
 CONFIGS = [
     ("1 worker, XLA threads = cores", 1, ""),
@@ -265,7 +277,7 @@ def ray_section(seconds: float, rounds: int, write: bool) -> None:
 
         profile = {"hop_latency_s": float(r["hops"][sizes[0]]), "bytes_per_s": float(2**20 / per_mb),
                    "measured_by": "python -m bench.workers --section ray --write", "machine": machine_description()}
-        (Path(__file__).parent / "profiles" / "ray-transfer.json").write_text(json.dumps(profile, indent=1) + "\n")
+        output(Path(__file__).parent / "profiles" / "ray-transfer.json").write_text(json.dumps(profile, indent=1) + "\n")
 
 
 def main():
@@ -275,7 +287,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3, help="ray section: interleaved rounds")
     ap.add_argument("--section", choices=("all", "threads", "ray"), default="all")
     ap.add_argument("--write", action="store_true")
-    args = ap.parse_args()
+    add_quick(ap, seconds=1.0, rounds=1)
+    args = apply_quick(ap.parse_args())
     if args.child:
         return child(int(args.child[0]), int(args.child[1]), float(args.child[2]))
     if args.section in ("all", "ray"):
