@@ -1,0 +1,254 @@
+"""Which sections of bench/RESULTS.md measure code older than the repository's.
+
+    python -m bench.status [--results FILE] [--check] [--json]
+
+Each section's stamp (bench.common.stamp) names the commit it measured; each bench script
+declares the files its numbers measure (``MEASURES``, bench/common.py). A section is
+
+- ``fresh``: its stamped commit contains the last commit that changed any of those files, and
+  the stamp does not say ``+uncommitted``;
+- ``stale``: a measured file changed in a commit its stamped commit lacks (or the stamp says
+  ``+uncommitted``: the numbers measured edits no commit held when they ran). The detail names
+  the changed files;
+- ``unstamped``: written before stamps named a commit. For the real RESULTS.md, the detail
+  says in which commit the section's text was recorded (``git blame`` of its date line) and
+  whether a measured file changed after it: a hint, not a verdict;
+- ``unknown``: stamped with a commit this clone does not have;
+- ``undeclared``: no script declares the section.
+
+GPU sections are listed like the others (``gpu`` column): ``make bench`` never reruns them.
+With ``--check`` the exit status is 1 when any section is stale (``--strict``: or unstamped,
+unknown or undeclared), else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench.common import CANONICAL_RESULTS, ROOT, declared_scripts, git
+
+# Sections written by something other than a bench script (which cannot carry MEASURES):
+# key -> (the writer, what it measures).
+EXTERNAL = {
+    "otas-accuracy-dinov2-s14": ("training.train_dinov2_probes", (
+        "training/train_dinov2_probes.py", "jaxserve/models", "jaxserve/prompts.py", "jaxserve/datasets.py",
+        "jaxserve/assets/dinov2-s14-prompts")),
+}
+
+_OPEN = re.compile(r"^<!-- bench:(?P<key>[^ ]+) -->$", re.M)
+
+
+@dataclass
+class Section:
+    key: str
+    title: str
+    line: int                 # 1-based line of the opening marker
+    text: str                 # from the opening marker to the closing one
+    fields: dict = field(default_factory=dict)  # Commit, Machine, Versions, Date, Command (stamp lines)
+    quick: bool = False
+
+    @property
+    def commit(self) -> str:
+        return self.fields.get("Commit", "").split()[0] if self.fields.get("Commit") else ""
+
+    @property
+    def uncommitted(self) -> bool:
+        return "+uncommitted" in self.fields.get("Commit", "")
+
+    @property
+    def machine(self) -> str:
+        """The stamp's machine, short: the GPU's name for a GPU run, else the CPU and cores."""
+        m = self.fields.get("Machine") or self.fields.get("machine", "")
+        parts = [p.strip() for p in re.split(r";| — ", m) if p.strip()]
+        gpu = [p for p in parts if "NVIDIA" in p or "H100" in p or "H200" in p]
+        if gpu:
+            return re.sub(r"\s*\(.*", "", gpu[0])
+        head = parts[0] if parts else ""
+        return re.sub(r",? (\d+) CPUs visible.*", r", \1 cores", head)  # the peer reports' wording
+
+    @property
+    def date(self) -> str:
+        return (self.fields.get("Date") or self.fields.get("date", "")).split(" (")[0]
+
+
+def parse_sections(text: str) -> list[Section]:
+    """Every ``<!-- bench:KEY -->`` ... ``<!-- /bench:KEY -->`` section of a RESULTS.md text, in
+    order, with its title and stamp fields (``*Name:* value`` lines, or the peer reports' older
+    ``- name: value`` lines). ValueError for a section that is opened and never closed."""
+    out = []
+    for m in _OPEN.finditer(text):
+        key = m.group("key")
+        end = text.find(f"<!-- /bench:{key} -->", m.end())
+        if end < 0:
+            raise ValueError(f"section {key!r} is never closed")
+        body = text[m.start():end + len(f"<!-- /bench:{key} -->")]
+        title = next((ln[3:].strip() for ln in body.splitlines() if ln.startswith("## ")), "")
+        fields = {}
+        for ln in body.splitlines()[:16]:
+            s = re.match(r"^\*(Commit|Machine|Versions|Date|Command):\* (.*?)\s*$", ln)
+            if s:
+                fields[s.group(1)] = s.group(2).strip("`")
+            s = re.match(r"^- (command|date|machine): (.*)$", ln)
+            if s:
+                fields.setdefault(s.group(1), s.group(2).strip("`"))
+        from bench.common import QUICK_MARK
+
+        out.append(Section(key, title, text.count("\n", 0, m.start()) + 1, body, fields, QUICK_MARK in body))
+    return out
+
+
+def declared() -> dict[str, dict]:
+    """``{section key: {"script", "measures", "gpu", "args"}}`` from every script's declarations
+    and :data:`EXTERNAL`."""
+    out = {}
+    for name, d in declared_scripts().items():
+        measures = tuple(d.get("MEASURES", ()))
+        for key, args in d.get("SECTIONS", {}).items():
+            out[key] = {"script": f"bench.{name}", "measures": measures, "gpu": False, "args": args}
+        for key, args in d.get("GPU_SECTIONS", {}).items():
+            out[key] = {"script": f"bench.{name}", "measures": measures, "gpu": True, "args": args}
+    for key, (writer, measures) in EXTERNAL.items():
+        out[key] = {"script": writer, "measures": measures, "gpu": False, "args": None}
+    return out
+
+
+@dataclass
+class Status:
+    key: str
+    state: str            # fresh | stale | unstamped | unknown | undeclared
+    script: str
+    gpu: bool
+    stamped: str          # the stamped commit (short), or ''
+    last_change: str      # the last commit that changed a measured file (short), or ''
+    detail: str
+    machine: str
+    date: str
+    title: str
+
+
+def _short(h: str) -> str:
+    return h[:9]
+
+
+def _last_change(measures) -> str:
+    return git("log", "-1", "--format=%H", "--", *measures) if measures else ""
+
+
+def _contains(descendant: str, ancestor: str) -> bool:
+    import subprocess
+
+    r = subprocess.run(["git", "merge-base", "--is-ancestor", ancestor, descendant], cwd=ROOT,
+                       capture_output=True)
+    return r.returncode == 0
+
+
+def _changed_since(commit: str, measures) -> list[str]:
+    return [f for f in git("diff", "--name-only", commit, "HEAD", "--", *measures).splitlines() if f]
+
+
+def _recorded_in(results: Path, line: int) -> str:
+    """The commit that recorded line ``line`` of the real RESULTS.md (git blame at HEAD), or ''."""
+    try:
+        rel = results.resolve().relative_to(ROOT)
+    except ValueError:
+        return ""
+    out = git("blame", "--porcelain", "-L", f"{line},{line}", "HEAD", "--", str(rel))
+    h = out.split(" ", 1)[0] if out else ""
+    return "" if not h or set(h) == {"0"} else h
+
+
+def status(results: Path = CANONICAL_RESULTS, infer: bool | None = None) -> list[Status]:
+    """Every section of ``results`` with its state (see the module docstring). ``infer``: look up
+    where unstamped sections were recorded (default: only for the real RESULTS.md)."""
+    results = Path(results)
+    infer = results.resolve() == CANONICAL_RESULTS.resolve() if infer is None else infer
+    decl = declared()
+    head = git("rev-parse", "HEAD")
+    out = []
+    for s in parse_sections(results.read_text()):
+        d = decl.get(s.key)
+        gpu = bool(d and d["gpu"]) or "GPU" in s.title
+        common = dict(key=s.key, gpu=gpu, machine=s.machine, date=s.date, title=s.title,
+                      script=d["script"] if d else "")
+        if d is None:
+            out.append(Status(state="undeclared", stamped=_short(s.commit), last_change="",
+                              detail="no bench script declares this section", **common))
+            continue
+        last = _last_change(d["measures"])
+        if not s.commit:
+            detail = "written before stamps named a commit"
+            if infer:
+                date_line = next((s.line + i for i, ln in enumerate(s.text.splitlines())
+                                  if re.match(r"^(\*Date:\*|- date:)", ln)), s.line)
+                rec = _recorded_in(results, date_line)
+                if rec:
+                    changed = _changed_since(rec, d["measures"])
+                    detail = (f"recorded in {_short(rec)}; measured files changed since: "
+                              + (", ".join(changed[:3]) + (f" (+{len(changed) - 3})" if len(changed) > 3 else "")
+                                 if changed else "none"))
+            out.append(Status(state="unstamped", stamped="", last_change=_short(last), detail=detail, **common))
+            continue
+        if s.commit == "unknown" or not _exists(s.commit):
+            out.append(Status(state="unknown", stamped=_short(s.commit), last_change=_short(last),
+                              detail=f"commit {s.commit} is not in this clone", **common))
+            continue
+        if last and not _contains(s.commit, last):
+            changed = _changed_since(s.commit, d["measures"])
+            out.append(Status(state="stale", stamped=_short(s.commit), last_change=_short(last),
+                              detail="changed since: " + ", ".join(changed[:4])
+                              + (f" (+{len(changed) - 4})" if len(changed) > 4 else ""), **common))
+        elif s.uncommitted:
+            out.append(Status(state="stale", stamped=_short(s.commit), last_change=_short(last),
+                              detail="measured uncommitted edits of its files", **common))
+        else:
+            behind = "" if s.commit == head else f" (HEAD is {_short(head)}; no measured file changed since)"
+            out.append(Status(state="fresh", stamped=_short(s.commit), last_change=_short(last),
+                              detail="up to date" + behind, **common))
+    return out
+
+
+def _exists(commit: str) -> bool:
+    import subprocess
+
+    return subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT,
+                          capture_output=True).returncode == 0
+
+
+def render(rows: list[Status]) -> str:
+    head = ["state", "section", "gpu", "script", "stamped", "last change", "machine", "detail"]
+    table = [[r.state, r.key, "GPU" if r.gpu else "", r.script, r.stamped or "-", r.last_change or "-",
+              r.machine, r.detail] for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *table)]
+    widths[-1] = 0
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in [head, *table]]
+    counts = {}
+    for r in rows:
+        counts[r.state] = counts.get(r.state, 0) + 1
+    lines.append("")
+    lines.append(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--results", type=Path, default=CANONICAL_RESULTS, help="a RESULTS.md (default bench/RESULTS.md)")
+    ap.add_argument("--check", action="store_true", help="exit 1 if any section is stale")
+    ap.add_argument("--strict", action="store_true", help="with --check: unstamped, unknown, undeclared fail too")
+    ap.add_argument("--json", action="store_true", help="one JSON object per section")
+    args = ap.parse_args(argv)
+    rows = status(args.results)
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows], indent=1))
+    else:
+        print(render(rows))
+    bad = {"stale"} | ({"unstamped", "unknown", "undeclared"} if args.strict else set())
+    return 1 if args.check and any(r.state in bad for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""The benchmark harness (bench.common, bench.all, bench.status, bench.headline) on tiny inputs,
+so the scripts cannot rot: declarations complete and readable, the driver's plan, staleness on a
+temporary RESULTS.md, the README table generated into a temporary copy, and two cheap scripts'
+``--quick`` runs into a temporary directory. Never writes bench/RESULTS.md or README.md (each
+test that could checks the real files' bytes are unchanged), never depends on timings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import all as bench_all
+from bench import common, headline, status
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "RESULTS.md"
+README = ROOT / "README.md"
+
+needs_git = pytest.mark.skipif(not common.git("rev-parse", "HEAD"), reason="not a git checkout")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def real_files_untouched():
+    """Fails the test if it changed bench/RESULTS.md or README.md."""
+    before = {p: _digest(p) for p in (RESULTS, README)}
+    yield
+    for p, h in before.items():
+        assert _digest(p) == h, f"the test modified {p}"
+
+
+def _run(args: list[str], env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+# ---------------------------------------------------------------- declarations
+
+def test_every_writing_script_declares_its_sections_and_existing_files():
+    decl = common.declared_scripts()
+    for f in sorted((ROOT / "bench").glob("*.py")):
+        text = f.read_text()
+        if re.search(r"\brecord\(|\bsplice\(|\bsection\(", text) and f.stem not in ("common", "status", "headline", "all"):
+            assert f.stem in decl, f"{f.name} writes RESULTS sections but declares no SECTIONS / GPU_SECTIONS"
+    for name, d in decl.items():
+        assert d.get("MEASURES"), f"bench/{name}.py declares sections but no MEASURES"
+        assert f"bench/{name}.py" in d["MEASURES"], f"bench/{name}.py: MEASURES should name the script itself"
+        for path in d["MEASURES"]:
+            assert (ROOT / path).exists(), f"bench/{name}.py: MEASURES names {path}, which does not exist"
+        for key, args in d.get("SECTIONS", {}).items():
+            assert isinstance(args, str) and "--write" in args, f"{name}: section {key} must run with --write"
+
+
+def test_driver_order_names_every_declared_script():
+    assert set(common.declared_scripts()) - {"peer_gpu"} <= set(bench_all.ORDER)
+    assert set(bench_all.ORDER) <= set(common.declared_scripts())
+
+
+def test_every_results_section_is_declared_and_gpu_titles_say_gpu():
+    decl = status.declared()
+    for s in status.parse_sections(RESULTS.read_text()):
+        assert s.key in decl, f"RESULTS.md section {s.key!r} is declared by no script (nor status.EXTERNAL)"
+        if decl[s.key]["gpu"]:
+            assert "GPU" in s.title, f"GPU section {s.key!r}: its title should say GPU ({s.title!r})"
+
+
+# ---------------------------------------------------------------- bench.all
+
+def test_all_quick_dry_run_lists_every_cpu_section_and_no_gpu_one():
+    r = _run(["-m", "bench.all", "--quick", "--dry-run"])
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    decl = status.declared()
+    cpu = [k for k, d in decl.items() if not d["gpu"] and d["script"].startswith("bench.")]
+    gpu = [k for k, d in decl.items() if d["gpu"]]
+    for key in cpu:
+        assert f"] {key}: python -m bench." in out, f"{key} missing from the plan"
+    for key in gpu:
+        assert f"] {key}: " not in out, f"GPU section {key} must not be run by bench.all"
+    runs = [ln for ln in out.splitlines() if ln.startswith("[")]
+    assert runs and all(ln.endswith("--quick") for ln in runs)
+    assert "jaxserve-bench-quick" in out.splitlines()[0]  # quick goes elsewhere, never bench/RESULTS.md
+
+
+def test_all_plan_only_and_skip():
+    keys = [k for _, k, _ in bench_all.plan(only={"arlo_sim"})]
+    assert keys == ["arlo_profile", "arlo_sim", "arlo_runtimes", "arlo_dispatch", "arlo_periodic"]
+    keys = [k for _, k, _ in bench_all.plan(only={"arlo_sim"}, skip={"arlo_dispatch"})]
+    assert "arlo_dispatch" not in keys and len(keys) == 4
+
+
+# ---------------------------------------------------------------- quick runs and stamps
+
+def test_quick_runs_write_only_to_their_directory(tmp_path, real_files_untouched):
+    env = {"JAXSERVE_BENCH_OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    for args in (["-m", "bench.sim_speed", "--write", "--quick"], ["-m", "bench.arlo_solver", "--write", "--quick"]):
+        r = _run(args, env=env, timeout=120)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    sections = {s.key: s for s in status.parse_sections((tmp_path / "RESULTS.md").read_text())}
+    assert set(sections) == {"sim_speed", "arlo_solver"}
+    for s in sections.values():
+        assert s.quick
+        assert set(s.fields) >= {"Commit", "Machine", "Versions", "Date", "Command"}
+        assert "--quick" in s.fields["Command"] and s.fields["Command"].startswith("python -m bench.")
+        assert "jaxlib" in s.fields["Versions"] and "cores" in s.fields["Machine"]
+
+
+def test_a_quick_section_is_refused_for_the_real_results(real_files_untouched):
+    text = f"<!-- bench:x -->\n## x\n\n{common.QUICK_MARK}\n\nbody\n<!-- /bench:x -->"
+    with pytest.raises(ValueError, match="--quick"):
+        common.splice(text, path=common.CANONICAL_RESULTS)
+
+
+def test_splice_replaces_one_section_in_a_given_file(tmp_path):
+    path = tmp_path / "R.md"
+    common.splice("<!-- bench:a -->\n## A\n\none\n<!-- /bench:a -->", path)
+    common.splice("<!-- bench:b -->\n## B\n\ntwo\n<!-- /bench:b -->", path)
+    common.splice("<!-- bench:a -->\n## A\n\nthree\n<!-- /bench:a -->", path)
+    text = path.read_text()
+    assert "three" in text and "one" not in text and "two" in text
+    assert [s.key for s in status.parse_sections(text)] == ["a", "b"]
+
+
+# ---------------------------------------------------------------- bench.status
+
+def _section(key: str, commit: str | None, title: str = "T") -> str:
+    stamp = (f"*Commit:* {commit}  \n" if commit else "") + "*Machine:* AMD EPYC, 2 cores; cpu  \n*Date:* 2026-01-01 00:00 UTC"
+    return f"<!-- bench:{key} -->\n## {title}\n\n{stamp}\n\n| a |\n|---|\n| 1 |\n<!-- /bench:{key} -->\n"
+
+
+@needs_git
+def test_status_fresh_stale_unstamped_unknown_undeclared(tmp_path, real_files_untouched):
+    head = common.git("rev-parse", "HEAD")
+    last = common.git("log", "-1", "--format=%H", "--", *status.declared()["sim_speed"]["measures"])
+    before = common.git("rev-parse", f"{last}^")
+    if not before:
+        pytest.skip("the measured files' last change is the root commit")
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# r\n\n" + "\n".join([
+        _section("sim_speed", head),                                    # fresh: HEAD holds every change
+        _section("arlo_solver", None),                                  # unstamped
+        _section("tuning", "0123456789abcdef0123456789abcdef01234567"),  # unknown commit
+        _section("nosuch", head),                                       # undeclared
+        _section("otas-utility-sim", head + " +uncommitted"),           # stale: measured uncommitted edits
+    ]))
+    rows = {r.key: r for r in status.status(path)}
+    assert rows["sim_speed"].state == "fresh"
+    assert rows["arlo_solver"].state == "unstamped"
+    assert rows["tuning"].state == "unknown"
+    assert rows["nosuch"].state == "undeclared"
+    assert rows["otas-utility-sim"].state == "stale"
+    assert status.main(["--results", str(path)]) == 0
+    assert status.main(["--results", str(path), "--check"]) == 1
+    assert status.main(["--results", str(path), "--check", "--strict"]) == 1
+
+
+@needs_git
+def test_status_stale_names_the_changed_files(tmp_path):
+    measures = status.declared()["sim_speed"]["measures"]
+    last = common.git("log", "-1", "--format=%H", "--", *measures)
+    before = common.git("rev-parse", f"{last}^")
+    if not before:
+        pytest.skip("the measured files' last change is the root commit")
+    path = tmp_path / "RESULTS.md"
+    path.write_text(_section("sim_speed", before))
+    (row,) = status.status(path)
+    assert row.state == "stale" and row.stamped == before[:9]
+    changed = common.git("diff", "--name-only", before, "HEAD", "--", *measures).split()
+    assert changed and changed[0] in row.detail
+    assert status.main(["--results", str(path), "--check"]) == 1
+    path.write_text(_section("sim_speed", common.git("rev-parse", "HEAD")))
+    assert status.main(["--results", str(path), "--check"]) == 0
+
+
+# ---------------------------------------------------------------- bench.headline
+
+def test_headline_from_the_real_results_finds_every_figure():
+    table, problems = headline.build(RESULTS)
+    assert problems == []
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(headline.ROWS)
+    for row, line in zip(headline.ROWS, lines[2:]):
+        for key in row.sources:
+            assert f"`{key}` (" in line, f"{row.question}: the source column should name {key}"
+
+
+def test_headline_write_rewrites_only_between_the_markers(tmp_path, real_files_untouched):
+    results, readme = tmp_path / "RESULTS.md", tmp_path / "README.md"
+    shutil.copy(RESULTS, results)
+    original = README.read_text()
+    assert headline.BEGIN in original and headline.END in original, "README.md lost its headline markers"
+    readme.write_text(original.replace(headline.BEGIN + "\n", headline.BEGIN + "\n| old | table |\n", 1))
+    assert headline.main(["--results", str(results), "--readme", str(readme), "--write"]) == 0
+    new = readme.read_text()
+    head, tail = original.split(headline.BEGIN)[0], original.split(headline.END)[1]
+    assert new.startswith(head) and new.endswith(tail) and "| old | table |" not in new
+    body = new.split(headline.BEGIN)[1].split(headline.END)[0]
+    assert body.count("\n|") == 2 + len(headline.ROWS)
+
+
+def test_headline_marks_stale_figures_and_reports_missing_ones(tmp_path):
+    if not common.git("rev-parse", "HEAD"):
+        pytest.skip("not a git checkout")
+    measures = status.declared()["sim_speed"]["measures"]
+    last = common.git("log", "-1", "--format=%H", "--", *measures)
+    before = common.git("rev-parse", f"{last}^")
+    text = RESULTS.read_text()
+    sections = {s.key: s for s in status.parse_sections(text)}
+    old = sections["sim_speed"].text
+    stamped = old.replace("## Simulator speed\n\n", f"## Simulator speed\n\n*Commit:* {before}  \n", 1)
+    text = text.replace(old, stamped)
+    text = text.replace(sections["coldstart"].text, "")  # a figure's section gone
+    results = tmp_path / "RESULTS.md"
+    results.write_text(text)
+    table, problems = headline.build(results)
+    speed = next(ln for ln in table.splitlines() if ln.startswith("| simulator speed"))
+    assert "**stale**" in speed
+    assert any("coldstart" in p for p in problems)
+    assert "not found" in next(ln for ln in table.splitlines() if ln.startswith("| serialized executables"))
+
+
+def test_splice_readme_refuses_a_readme_without_markers():
+    with pytest.raises(ValueError, match="markers"):
+        headline.splice_readme("# no table here\n", "| a |")
