@@ -1,6 +1,8 @@
 # The two set-up commands of the README:
 #   make serve   install, warm the compile cache, start the server on 127.0.0.1:8000 (PORT=..., HOST=...)
 #   make test    install, run the test suite
+#   make bench   rerun every CPU section of bench/RESULTS.md on this machine (hours; ONLY=keys,scripts);
+#                QUICK=1: the smoke version (tiny sizes) into $TMPDIR/jaxserve-bench-quick, never RESULTS.md
 PYTHON ?= python3
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
@@ -36,6 +38,10 @@ serve: warmup
 test: install
 	$(BIN)/python -m pytest -q
 	JAXSERVE_TEST_WORKERS=ray $(BIN)/python -m pytest -q tests/integration/test_server.py tests/integration/test_otas_serving.py
+
+# then: python -m bench.status (what is stale), python -m bench.headline --write (README's table)
+bench: install
+	$(BIN)/python -m bench.all $(if $(QUICK),--quick) $(if $(ONLY),--only $(ONLY))
 
 clean-cache:
 	rm -rf compiled_cache/xla compiled_cache/executables compiled_cache/manifest.json compiled_cache/cost_model.json
