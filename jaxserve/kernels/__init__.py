@@ -1,7 +1,9 @@
 """Native CPU kernels that compiled executables call through XLA's FFI.
 
 One kernel so far: fused multi-head attention (``attention_cpu.cc``; why and how in its
-header; measurements: bench/RESULTS.md, 'The measurements behind the code's rules'). It is
+header), registered as two FFI targets: ``ATTENTION_TARGET`` (a per-key bias [B, S]) and
+``ATTENTION_POS_BIAS_TARGET`` (that, plus a per-head [H, S, S] bias: MPNet's relative
+positions; measurements: bench/RESULTS.md, 'The measurements behind the code's rules'). It is
 C++ built on the host that runs it, the way PyTorch's inductor and Triton build theirs: the
 system C++ compiler (``$CXX``, else g++, c++ or clang++) with ``-O3 -march=native`` against the FFI headers
 that ship in jaxlib, once per (source, compiler, jaxlib, CPU instruction set), into an
@@ -45,7 +47,9 @@ log = logging.getLogger("jaxserve.kernels")
 
 SOURCE = Path(__file__).resolve().parent / "attention_cpu.cc"
 ATTENTION_TARGET = "jaxserve_fused_attention_f32"
+ATTENTION_POS_BIAS_TARGET = ATTENTION_TARGET + "_pos_bias"  # build_kernel: <target> + "_pos_bias"
 _SYMBOL = "JaxserveFusedAttention"
+_POS_BIAS_SYMBOL = "JaxserveFusedAttentionPosBias"
 _FLAGS = ("-O3", "-std=c++17", "-ffp-contract=fast", "-fPIC", "-shared", "-w")
 _ARCH_FLAGS = ("-march=native",)  # dropped on a compiler that refuses it
 
@@ -56,10 +60,15 @@ _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxserve
 class Kernel:
     """A built, loaded and registered kernel library."""
 
-    target: str  # the FFI target name executables call
+    target: str  # the FFI target name executables call (a per-key bias [B, S])
     path: Path
     build_id: str  # hash of source, compiler, flags, jaxlib and CPU: part of cache keys
     built_seconds: float  # 0.0 when an earlier build was reused
+
+    @property
+    def pos_bias_target(self) -> str:
+        """The FFI target of the variant that also adds a per-head [H, S, S] bias."""
+        return self.target + "_pos_bias"
 
 
 def kernel_dir() -> Path:
@@ -125,7 +134,7 @@ def _build(source: Path, out: Path, cxx: str, defines: dict[str, str]) -> None:
 def build_kernel(target: str = ATTENTION_TARGET, defines: dict[str, str] | None = None,
                  directory: Path | None = None) -> Kernel:
     """Build (or reuse) the attention kernel library, load it and register it with XLA as
-    ``target`` for the CPU. ``defines``: extra -D macros (the tests build the 16-lane variant
+    ``target`` (and its position-bias variant as ``target + "_pos_bias"``) for the CPU. ``defines``: extra -D macros (the tests build the 16-lane variant
     on any CPU with ``JAXSERVE_VEC_BYTES=64``). Raises if it cannot."""
     import jax
     import jaxlib
@@ -160,6 +169,8 @@ def build_kernel(target: str = ATTENTION_TARGET, defines: dict[str, str] | None 
     _check_trusted(path, directory=False)
     library = ctypes.CDLL(str(path))
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, _SYMBOL)), platform="cpu")
+    jax.ffi.register_ffi_target(target + "_pos_bias", jax.ffi.pycapsule(getattr(library, _POS_BIAS_SYMBOL)),
+                                platform="cpu")
     _LIBRARIES.append(library)  # keep it loaded for as long as executables may call it
     return Kernel(target=target, path=path, build_id=build_id, built_seconds=seconds)
 

@@ -1,6 +1,11 @@
 // Fused multi-head attention for XLA:CPU, called through XLA's FFI.
 //
-//   out[b, i, h, :] = softmax_j(scale * q[b,i,h,:] . k[b,j,h,:] + bias[b,j]) . v[b,j,h,:]
+//   out[b, i, h, :] = softmax_j(scale * q[b,i,h,:] . k[b,j,h,:] + bias[b,j] (+ pos[h,i,j])) . v[b,j,h,:]
+//
+// Two handlers share the code: JaxserveFusedAttention (a per-key bias [B, S]: padding, ToMe's
+// log-sizes) and JaxserveFusedAttentionPosBias, which also adds a per-head [H, S, S] bias
+// shared by the batch (MPNet's relative-position bias, one table for every layer): it is
+// added to each query block's scores in cache, and the row max is taken again after it.
 //
 // q, k and v arrive packed as the QKV projection writes them, [B, S, 3, H, D] (BERT's
 // and timm's layout), so XLA copies nothing before the call; the result is [B, S, H, D],
@@ -141,8 +146,8 @@ struct Scratch {
 };
 
 // One (batch, head) pair, queries [q_begin, q_end).
-static void attend(const float* qkv, const float* bias, float* out, const Dims& d, int64_t b, int64_t h,
-                   int64_t q_begin, int64_t q_end, Scratch& s) {
+static void attend(const float* qkv, const float* bias, const float* pos, float* out, const Dims& d, int64_t b,
+                   int64_t h, int64_t q_begin, int64_t q_end, Scratch& s) {
   const int64_t S = d.S, D = d.D, Sp = d.Sp, Dp = d.Dp, HD = d.H * d.D, row = 3 * HD;
   constexpr int64_t CB = QK_NV * W;  // key columns per full K^T panel
   const int64_t full = Sp / CB * CB;  // columns in full panels; the rest is one narrower panel
@@ -195,6 +200,19 @@ static void attend(const float* qkv, const float* bias, float* out, const Dims& 
         }
       }
     }
+    if (pos != nullptr) {  // [H, S, S] bias: add row (q0 + i) of head h, then the row max afresh
+      for (int64_t i = 0; i < rows; ++i) {
+        float* p_row = &s.p[i * Sp];
+        const float* pos_row = pos + (h * S + q0 + i) * S;
+        for (int64_t j = 0; j < S; ++j) p_row[j] += pos_row[j] * kLog2e;
+        vf m = splat(-3e38f);
+        for (int64_t j = 0; j < Sp; j += W) {
+          const vf x = loadu(p_row + j);
+          m = x > m ? x : m;
+        }
+        rmax[i] = m;
+      }
+    }
     for (int64_t i = 0; i < rows; ++i) {
       float* p_row = &s.p[i * Sp];
       float m = rmax[i][0];
@@ -232,6 +250,7 @@ static void attend(const float* qkv, const float* bias, float* out, const Dims& 
 struct Job {
   const float* qkv;
   const float* bias;
+  const float* pos;  // [H, S, S] or nullptr
   float* out;
   Dims d;
   int64_t chunks, q_per_chunk, total;
@@ -242,14 +261,14 @@ struct Job {
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;) {
       const int64_t pair = i / chunks, c = i % chunks;
       const int64_t q0 = c * q_per_chunk, q1 = std::min(d.S, q0 + q_per_chunk);
-      attend(qkv, bias, out, d, pair / d.H, pair % d.H, q0, q1, scratch);
+      attend(qkv, bias, pos, out, d, pair / d.H, pair % d.H, q0, q1, scratch);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-static ffi::Error FusedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> bias,
-                                 ffi::ResultBuffer<ffi::F32> out, float scale) {
+static ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& qkv, ffi::Buffer<ffi::F32>& bias,
+                      const ffi::Buffer<ffi::F32>* pos, ffi::ResultBuffer<ffi::F32>& out, float scale) {
   const auto dims = qkv.dimensions();
   if (dims.size() != 5 || dims[2] != 3)
     return ffi::Error::InvalidArgument("jaxserve attention: qkv must be [B, S, 3, H, D]");
@@ -257,6 +276,11 @@ static ffi::Error FusedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv
   const auto bias_dims = bias.dimensions();
   if (bias_dims.size() != 2 || bias_dims[0] != d.B || bias_dims[1] != d.S)
     return ffi::Error::InvalidArgument("jaxserve attention: bias must be [B, S]");
+  if (pos != nullptr) {
+    const auto pos_dims = pos->dimensions();
+    if (pos_dims.size() != 3 || pos_dims[0] != d.H || pos_dims[1] != d.S || pos_dims[2] != d.S)
+      return ffi::Error::InvalidArgument("jaxserve attention: the position bias must be [H, S, S]");
+  }
   const auto out_dims = out->dimensions();
   if (out_dims.size() != 4 || out_dims[0] != d.B || out_dims[1] != d.S || out_dims[2] != d.H || out_dims[3] != d.D)
     return ffi::Error::InvalidArgument("jaxserve attention: out must be [B, S, H, D]");
@@ -265,6 +289,7 @@ static ffi::Error FusedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv
   auto job = std::make_shared<Job>();
   job->qkv = qkv.typed_data();
   job->bias = bias.typed_data();
+  job->pos = pos != nullptr ? pos->typed_data() : nullptr;
   job->out = out->typed_data();
   job->d = d;
   // Split each (batch, head) pair's queries into chunks until there are >= 4 items per
@@ -283,10 +308,30 @@ static ffi::Error FusedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv
   return ffi::Error::Success();
 }
 
+static ffi::Error FusedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> bias,
+                                 ffi::ResultBuffer<ffi::F32> out, float scale) {
+  return Run(pool, qkv, bias, nullptr, out, scale);
+}
+
+static ffi::Error FusedAttentionPosBias(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
+                                        ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> pos,
+                                        ffi::ResultBuffer<ffi::F32> out, float scale) {
+  return Run(pool, qkv, bias, &pos, out, scale);
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFusedAttention, FusedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // qkv [B, S, 3, H, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // bias [B, S]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [B, S, H, D]
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFusedAttentionPosBias, FusedAttentionPosBias,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // qkv [B, S, 3, H, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // bias [B, S]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // pos [H, S, S] (query, key)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [B, S, H, D]
                                   .Attr<float>("scale"));

@@ -33,34 +33,45 @@ from jaxserve import kernels
 __all__ = ["attention", "qkv_attention"]
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array | None = None) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array | None = None,
+              pos_bias: jax.Array | None = None) -> jax.Array:
     """q, k, v: [B, S, H, dh] (q already scaled); key_bias: [B, S] added to every query's
-    score for that key (padding mask, ToMe's log-size), or None. Returns [B, S, H, dh]."""
+    score for that key (padding mask, ToMe's log-size), or None; pos_bias: [H, S(query),
+    S(key)] added per head to every batch row's scores (MPNet's relative positions), or None.
+    Returns [B, S, H, dh]."""
     scores = jnp.einsum("bkhd,bqhd->bhkq", k, q)
     if key_bias is not None:
         scores = scores + key_bias[:, None, :, None]
+    if pos_bias is not None:
+        scores = scores + jnp.swapaxes(pos_bias, 1, 2)[None]
     e = jnp.exp(scores - scores.max(axis=2, keepdims=True))
     denom = jnp.transpose(e.sum(axis=2), (0, 2, 1))[..., None]  # [B, query, H, 1]
     return jnp.einsum("bhkq,bkhd->bqhd", e, v) / denom
 
 
-def qkv_attention(qkv: jax.Array, key_bias: jax.Array | None, scale: float) -> jax.Array:
+def qkv_attention(qkv: jax.Array, key_bias: jax.Array | None, scale: float,
+                  pos_bias: jax.Array | None = None) -> jax.Array:
     """Attention from the packed projection qkv [B, S, 3, H, dh] (q, k, v along axis 2, as
-    BERT's and timm's QKV linears write them), q scaled by ``scale``. Returns [B, S, H, dh].
+    BERT's and timm's QKV linears write them), q scaled by ``scale``; ``pos_bias`` an optional
+    [H, S(query), S(key)] bias shared by the batch (MPNet). Returns [B, S, H, dh].
 
     On the CPU with the fused kernel available (jaxserve.kernels) this is one FFI call that
-    reads qkv in place; otherwise, or inside ``kernels.xla_attention()``, the XLA form
-    above. Gradients always come from the XLA form (the kernel is forward-only; training
+    reads qkv in place (with ``pos_bias``: the kernel's position-bias target, which adds it
+    in cache); otherwise, or inside ``kernels.xla_attention()``, the XLA form above.
+    Without ``pos_bias`` the traced program is exactly what it was before that argument
+    existed. Gradients always come from the XLA form (the kernel is forward-only; training
     prompts differentiates through here)."""
     if qkv.dtype != jnp.float32 or kernels.attention_impl() != "fused":
-        return _xla_qkv_attention(qkv, key_bias, scale)
+        return _xla_qkv_attention(qkv, key_bias, scale, pos_bias)
     if key_bias is None:
         key_bias = jnp.zeros(qkv.shape[:2], jnp.float32)
-    return _fused(qkv, key_bias.astype(jnp.float32), float(scale))
+    if pos_bias is None:
+        return _fused(qkv, key_bias.astype(jnp.float32), float(scale))
+    return _fused_pos(qkv, key_bias.astype(jnp.float32), pos_bias.astype(jnp.float32), float(scale))
 
 
-def _xla_qkv_attention(qkv, key_bias, scale):
-    return attention(qkv[:, :, 0] * scale, qkv[:, :, 1], qkv[:, :, 2], key_bias)
+def _xla_qkv_attention(qkv, key_bias, scale, pos_bias=None):
+    return attention(qkv[:, :, 0] * scale, qkv[:, :, 1], qkv[:, :, 2], key_bias, pos_bias)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -81,3 +92,23 @@ def _fused_bwd(scale, residuals, grad):
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fused_pos(qkv, key_bias, pos_bias, scale):
+    b, s, _, h, d = qkv.shape
+    call = jax.ffi.ffi_call(kernels.ATTENTION_POS_BIAS_TARGET, jax.ShapeDtypeStruct((b, s, h, d), jnp.float32),
+                            vmap_method="sequential")
+    return call(qkv, key_bias, pos_bias, scale=np.float32(scale))
+
+
+def _fused_pos_fwd(qkv, key_bias, pos_bias, scale):
+    return _fused_pos(qkv, key_bias, pos_bias, scale), (qkv, key_bias, pos_bias)
+
+
+def _fused_pos_bwd(scale, residuals, grad):
+    _, pullback = jax.vjp(lambda qkv, bias, pos: _xla_qkv_attention(qkv, bias, scale, pos), *residuals)
+    return pullback(grad)
+
+
+_fused_pos.defvjp(_fused_pos_fwd, _fused_pos_bwd)
