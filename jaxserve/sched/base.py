@@ -120,10 +120,12 @@ class StepSummary:
     pruned_tokens: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class PlacementChange:
     """A change of which worker holds what, planned by a policy and carried out by the
     engine (asynchronously: the policy hears of it through ``Policy.on_placement``).
+    Ordered (action, worker, stage), so that changes due at the same time in the
+    simulator's event heap compare instead of raising.
 
     ``action``: ``"add_worker"`` (a new worker with id ``worker``; ``stage`` None),
     ``"remove_worker"`` (after its running step finishes), ``"load"`` (the worker
