@@ -16,24 +16,28 @@ def bert_servable(name: str, cfg: BertConfig, grid: ShapeGrid, precision: str = 
                   importance: bool = False) -> Servable:
     """Text encoder cells (batch, seq bucket) -> {'embedding', 'cls'} per row.
 
+    ``cfg`` may be a BERT or an MPNet (``cfg.family``): the same executables' code, keyed
+    apart by ``cfg.key()`` (which names the family and its relative-position buckets). MPNet's
+    relative-position bias goes through the fused CPU kernel's position-bias target where
+    the kernel is in use (``jaxserve.kernels``), and the attention implementation is part of
+    every cache key either way. Buckets up to ``cfg.max_length`` (MPNet: 512).
+
     ``precision`` "bf16" takes bfloat16 dense kernels (jaxserve.models.precision); its
     weights must be cast the same way (:func:`weights_of`). ``importance``: the cells also
     output ``_importance`` [B, S], Tabi's attention importance vector (a cascade's first level).
     """
-    if importance:
-        raise NotImplementedError("the importance output is not built yet")
-    if grid.max_length > cfg.max_position:
-        raise ValueError(f"bucket {grid.max_length} exceeds max_position {cfg.max_position}")
+    if grid.max_length > cfg.max_length:
+        raise ValueError(f"bucket {grid.max_length} exceeds the {cfg.max_length} positions of the model")
     graphdef, abstract_state = abstract_bert(cfg)
     abstract_state = matmul_weights(abstract_state, precision)
-    encode = make_encode_fn(graphdef)
+    encode = make_encode_fn(graphdef, importance=importance)
 
     def specs(cell: Cell):
         tok = jax.ShapeDtypeStruct((cell.batch, cell.seq), np.int32)
         return (tok, tok)
 
     return Servable(
-        name=name, config_hash=cfg.key(), grid=grid,
+        name=name, config_hash=cfg.key() + ("-importance" if importance else ""), grid=grid,
         abstract_state=abstract_state, fn_for=lambda cell: encode, input_specs=specs,
         options_of=bert_options if precision == "f32" else bert_bf16_options, precision=precision,
         option_candidates=ynn_candidates if precision == "f32" else ynn_bf16_candidates,
@@ -57,8 +61,8 @@ def bert_stage_servable(name: str, cfg: BertConfig, grid: ShapeGrid, start: int,
     the range."""
     from jaxserve.models.bert import abstract_bert_stage, make_bert_stage_fn
 
-    if grid.max_length > cfg.max_position:
-        raise ValueError(f"bucket {grid.max_length} exceeds max_position {cfg.max_position}")
+    if grid.max_length > cfg.max_length:
+        raise ValueError(f"bucket {grid.max_length} exceeds the {cfg.max_length} positions of the model")
     graphdef, abstract_state = abstract_bert_stage(cfg, start, stop)
     stage = make_bert_stage_fn(graphdef, last=stop == cfg.num_layers)
 

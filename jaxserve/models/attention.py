@@ -22,6 +22,8 @@ code's rules').
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from functools import partial
 
 import jax
@@ -30,7 +32,7 @@ import numpy as np
 
 from jaxserve import kernels
 
-__all__ = ["attention", "qkv_attention"]
+__all__ = ["attention", "qkv_attention", "record_importance"]
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array | None = None,
@@ -49,6 +51,46 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array | No
     return jnp.einsum("bhkq,bkhd->bqhd", e, v) / denom
 
 
+class _Importance(threading.local):
+    def __init__(self):
+        self.stack: list[list] = []
+
+
+_IMPORTANCE = _Importance()
+
+
+@contextlib.contextmanager
+def record_importance(query_mask: jax.Array):
+    """While tracing inside this context (one thread's trace), every :func:`qkv_attention`
+    runs the XLA form and adds its layer's importance to the yielded list: per key, the
+    attention probability it receives, summed over heads and over the real query rows
+    (``query_mask`` [B, S], 1 for a real token), [B, S] each. Their sum over layers is Tabi's
+    importance vector (Eq. 5's I), computed inside the executable that makes the prediction,
+    not by a second pass. The fused kernel does not return its probabilities, so a model
+    traced with importance runs the XLA form (its servable is keyed apart: ``bert_servable``'s
+    ``importance``); the prediction is the same attention, its division placed before the PV
+    product instead of after."""
+    layers: list = []
+    _IMPORTANCE.stack.append((query_mask, layers))
+    try:
+        yield layers
+    finally:
+        _IMPORTANCE.stack.pop()
+
+
+def _attention_with_importance(qkv, key_bias, scale, pos_bias, query_mask):
+    q, k, v = qkv[:, :, 0] * scale, qkv[:, :, 1], qkv[:, :, 2]
+    scores = jnp.einsum("bkhd,bqhd->bhkq", k, q)
+    if key_bias is not None:
+        scores = scores + key_bias[:, None, :, None]
+    if pos_bias is not None:
+        scores = scores + jnp.swapaxes(pos_bias, 1, 2)[None]
+    e = jnp.exp(scores - scores.max(axis=2, keepdims=True))
+    p = e / e.sum(axis=2, keepdims=True)  # [B, H, key, query]: each query's distribution over keys
+    importance = jnp.einsum("bhkq,bq->bk", p, query_mask.astype(p.dtype))
+    return jnp.einsum("bhkq,bkhd->bqhd", p, v), importance
+
+
 def qkv_attention(qkv: jax.Array, key_bias: jax.Array | None, scale: float,
                   pos_bias: jax.Array | None = None) -> jax.Array:
     """Attention from the packed projection qkv [B, S, 3, H, dh] (q, k, v along axis 2, as
@@ -61,6 +103,11 @@ def qkv_attention(qkv: jax.Array, key_bias: jax.Array | None, scale: float,
     Without ``pos_bias`` the traced program is exactly what it was before that argument
     existed. Gradients always come from the XLA form (the kernel is forward-only; training
     prompts differentiates through here)."""
+    if _IMPORTANCE.stack:  # record_importance: the XLA form, and this layer's importance
+        query_mask, layers = _IMPORTANCE.stack[-1]
+        ctx, importance = _attention_with_importance(qkv, key_bias, scale, pos_bias, query_mask)
+        layers.append(importance)
+        return ctx
     if qkv.dtype != jnp.float32 or kernels.attention_impl() != "fused":
         return _xla_qkv_attention(qkv, key_bias, scale, pos_bias)
     if key_bias is None:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.models.attention import qkv_attention
+from jaxserve.models.attention import qkv_attention, record_importance
 from jaxserve.models.precision import Dense
 
 
@@ -311,12 +311,21 @@ def pool(hidden: jax.Array, attention_mask: jax.Array) -> dict[str, jax.Array]:
     return {"embedding": mean / jnp.maximum(norm, 1e-12), "cls": hidden[:, 0]}
 
 
-def make_encode_fn(graphdef: nnx.GraphDef):
-    """The pure function every BERT polymorph compiles: (weights, ids, mask) -> pooled."""
+def make_encode_fn(graphdef: nnx.GraphDef, importance: bool = False):
+    """The pure function every BERT polymorph compiles: (weights, ids, mask) -> pooled. With
+    ``importance`` it also returns ``_importance`` [B, S]: per token, the attention probability
+    it receives summed over layers, heads and real query rows (Tabi's Eq. 5 vector; 0 on
+    padding), from the same forward pass (``jaxserve.models.attention.record_importance``)."""
 
     def encode(state, input_ids, attention_mask):
         model = nnx.merge(graphdef, state)
-        return pool(model(input_ids, attention_mask), attention_mask)
+        if not importance:
+            return pool(model(input_ids, attention_mask), attention_mask)
+        with record_importance(attention_mask) as layers:
+            hidden = model(input_ids, attention_mask)
+        out = pool(hidden, attention_mask)
+        out["_importance"] = sum(layers) * attention_mask.astype(hidden.dtype)
+        return out
 
     return encode
 
