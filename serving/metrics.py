@@ -61,10 +61,14 @@ class _EngineCollector:
         g.add_metric([], eng.stats.worker_restarts)
         yield g
         yield from _worker_metrics(eng)
+        families: dict = {}  # one family per name (a policy yields one series per label set)
         for name, labels, value in eng.policy.metrics():
-            g = GaugeMetricFamily(f"jaxserve_policy_{name}", f"policy counter {name}", labels=list(labels))
+            g = families.get(name)
+            if g is None:
+                g = families[name] = GaugeMetricFamily(f"jaxserve_policy_{name}", f"policy counter {name}",
+                                                       labels=list(labels))
             g.add_metric(list(labels.values()), value)
-            yield g
+        yield from families.values()
 
 
 def _worker_metrics(eng):
