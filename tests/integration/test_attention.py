@@ -206,3 +206,88 @@ def test_a_kernel_directory_others_can_write_is_refused(tmp_path):
     built.path.chmod(0o770)  # tampered with: a group member could have replaced it
     with pytest.raises(PermissionError, match="writable by others"):
         kernels.build_kernel(target="jaxserve_test_attention_perm2", directory=ours)
+
+
+# ------------------------------------------------ a per-head [H, S, S] bias (MPNet's positions)
+
+def _pos_bias(h, s, seed=0, amp=3.0):
+    return jnp.asarray(np.random.default_rng(seed + 7).standard_normal((h, s, s)) * amp, jnp.float32)
+
+
+def _both_pos(qkv, bias, pos, scale):
+    fn = jax.jit(lambda x, y, z: qkv_attention(x, y, scale, z))
+    with kernels.xla_attention():
+        reference = jax.jit(lambda x, y, z: qkv_attention(x, y, scale, z))(qkv, bias, pos)
+    return fn(qkv, bias, pos), reference
+
+
+@pytest.mark.parametrize("b,s,h,d", [
+    (1, 1, 1, 8), (3, 7, 2, 16), (2, 25, 3, 24), (4, 37, 12, 32), (2, 100, 3, 72), (1, 256, 12, 64),
+])
+def test_fused_kernel_with_a_position_bias_matches_the_xla_form(b, s, h, d):
+    """The kernel's position-bias target (added per query block in cache, the row max taken
+    again) gives the XLA form's numbers, padding rows and odd tails included; the traced
+    program calls that target, and the key-bias-only one where there is no position bias."""
+    qkv, bias = _packed(b, s, h, d, seed=s + d)
+    pos = _pos_bias(h, s, seed=s)
+    hlo = jax.jit(lambda x, y, z: qkv_attention(x, y, 0.3, z)).lower(qkv, bias, pos).as_text()
+    assert kernels.ATTENTION_POS_BIAS_TARGET in hlo
+    fused, reference = _both_pos(qkv, bias, pos, float(d) ** -0.5)
+    np.testing.assert_allclose(fused, reference, atol=2e-5, rtol=2e-5)
+    zero, plain = _both_pos(qkv, bias, jnp.zeros_like(pos), float(d) ** -0.5)[0], _both(qkv, bias, float(d) ** -0.5)[0]
+    np.testing.assert_allclose(zero, plain, atol=1e-6, rtol=1e-6)
+
+
+def test_position_bias_as_accurate_as_the_xla_form():
+    """Against float64 with a position bias of tens of nats (a sharp softmax whose max comes
+    from the bias, not the scores): the kernel's error is no larger than XLA's own."""
+    qkv, bias = _packed(3, 64, 2, 32, amp=2.0)
+    pos = _pos_bias(2, 64, amp=20.0)
+    fused, reference = _both_pos(qkv, bias, pos, 0.2)
+    x = np.asarray(qkv, np.float64)
+    scores = (np.einsum("bqhd,bkhd->bhqk", x[:, :, 0] * np.float32(0.2), x[:, :, 1])
+              + np.asarray(bias)[:, None, None] + np.asarray(pos, np.float64)[None])
+    w = np.exp(scores - scores.max(-1, keepdims=True))
+    truth = np.einsum("bhqk,bkhd->bqhd", w / w.sum(-1, keepdims=True), x[:, :, 2])
+    assert np.isfinite(np.asarray(fused)).all()
+    err_fused = np.abs(np.asarray(fused)[:-1] - truth[:-1]).max()
+    err_xla = np.abs(np.asarray(reference)[:-1] - truth[:-1]).max()
+    assert err_fused <= 2 * err_xla + 1e-6, (err_fused, err_xla)
+
+
+def test_position_bias_padded_keys_contribute_exactly_nothing():
+    """With a position bias, too, a row's numbers do not depend on the padding after it."""
+    qkv, _ = _packed(1, 40, 2, 16, pad_rows=False)
+    pos = _pos_bias(2, 40)
+    fn = jax.jit(lambda x, y, z: qkv_attention(x, y, 0.25, z))
+    short = fn(qkv[:, :24], jnp.zeros((1, 24)), pos[:, :24, :24])
+    bias = jnp.where(jnp.arange(40) < 24, 0.0, -1e9)[None, :]
+    long = fn(qkv.at[:, 24:].multiply(1e3), bias, pos.at[:, :, 24:].set(50.0))
+    np.testing.assert_allclose(long[:, :24], short, atol=1e-6, rtol=1e-6)
+
+
+def test_position_bias_sixteen_lane_build_and_gradients(tmp_path):
+    """The 16-lane build's position-bias target gives the same numbers; gradients (qkv, both
+    biases) are the XLA form's."""
+    wide = kernels.build_kernel(target="jaxserve_test_attention_pos_w16", defines={"JAXSERVE_VEC_BYTES": "64"},
+                                directory=tmp_path)
+    b, s, h, d = 2, 70, 3, 24
+    qkv, bias = _packed(b, s, h, d, seed=3)
+    pos = _pos_bias(h, s)
+    call = jax.ffi.ffi_call(wide.pos_bias_target, jax.ShapeDtypeStruct((b, s, h, d), jnp.float32))
+    out = jax.jit(lambda x, y, z: call(x, y, z, scale=np.float32(0.125)))(qkv, bias, pos)
+    fused, reference = _both_pos(qkv, bias, pos, 0.125)
+    np.testing.assert_allclose(out, fused, atol=2e-6, rtol=1e-6)
+
+    qkv, bias = _packed(2, 20, 2, 16, pad_rows=False)
+    pos = _pos_bias(2, 20)
+    w = jnp.asarray(np.random.default_rng(5).standard_normal((2, 20, 2, 16)), jnp.float32)
+
+    def loss(x, y, z):
+        return (qkv_attention(x, y, 0.25, z) * w).sum()
+
+    g_fused = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qkv, bias, pos)
+    with kernels.xla_attention():
+        g_ref = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(qkv, bias, pos)
+    for a, r in zip(g_fused, g_ref):
+        np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-5)
