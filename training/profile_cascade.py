@@ -10,20 +10,18 @@ Per task (``jaxserve.datasets.TEXT_TASKS``), with the calibrated heads of every 
    encoder (the function the servables compile), so a request's cost is its bucket's latency;
    a candidate's cost is the mean over the split with the expected routing
    (``jaxserve.sched.tabi.evaluate``).
-2. **Importance.** Every first-level model (MiniLM-L3, MiniLM-L6, bge-small) runs its
-   importance executable (``make_encode_fn(..., importance=True)``: Eq. 5's vector, summed
-   over layers, heads and real queries) over the validation and test texts.
-3. **alpha.** As in §5, one representative efficient model (MiniLM-L3, the cheapest) prunes
-   the validation texts at alpha = 0.5, 0.6, ... and the largest model runs them, until its
-   accuracy falls more than 2 points below its accuracy on the full texts; the last alpha
-   within 2 points is the task's alpha. Every first-level model then prunes at that alpha for
-   the models after it (validation and test).
-4. **Candidates.** The chains of the issue (each model alone, L3/L6/bge -> MPNet, L3 -> bge ->
-   MPNet, L3 -> L6 -> MPNet), with and without pruning, each over the c sweep and k grid
-   (``profile_candidates``), all kept in the profile; the default accuracy target is the
-   largest model's validation accuracy minus 0.5 points. The cheapest candidate meeting it,
-   each model alone and the INFaaS-like choice are evaluated on test with their validation
-   weights.
+2. **Candidates without pruning.** The chains of the issue (each model alone, L3/L6/bge ->
+   MPNet, L3 -> bge -> MPNet, L3 -> L6 -> MPNet), each over the c sweep and k grid
+   (``profile_candidates``), on validation; the cheapest meeting the target is the base.
+3. **alpha.** §5 profiles pruning with extra runs "only for LLMs": the base's first model runs
+   its importance executable (``make_encode_fn(..., importance=True)``) over the validation
+   texts, and the items the base sends on with probability >= 1% are pruned at alpha = 0.5,
+   0.6, ... and run by the later levels, until the cascade loses more than 2 points on those
+   items; the last alpha within 2 points is kept (``profile_task``'s docstring).
+4. **Selection.** The base's chain is re-profiled with that alpha; every candidate is kept in
+   the profile; the default accuracy target is the largest model's validation accuracy minus
+   0.5 points. The cheapest candidate meeting it, each model alone and the INFaaS-like choice
+   are evaluated on test with their validation weights (the chosen one on its pruned inputs).
 5. **Replay.** ``jaxserve/assets/cascade/<task>-replay.npz``: the test split's per-item
    calibrated probabilities of every model on full and (per first model) pruned texts, and
    the token lengths, which ``jaxserve simulate --policy tabi`` replays.
@@ -46,12 +44,10 @@ from jaxserve.datasets import TEXT_TASKS, text_task_split
 from jaxserve.registry import ASSETS, PROFILES, TEXT_MODELS
 from jaxserve.runtime import TaskHead
 from jaxserve.sched.base import bucket_for_length
-from jaxserve.sched.tabi import (LevelData, choose, evaluate, profile_candidates, select, TaskProfile)
+from jaxserve.sched.tabi import LevelData, TaskProfile, reach_probabilities, choose, evaluate, profile_candidates, select
 from training.text_embeddings import EMBED_GRID, MAX_TOKENS, TextEmbedder, cached_embeddings
 
 LARGE = "mpnet-base"
-FIRST = ("minilm-l3", "minilm-l6", "bge-small")
-REPRESENTATIVE = "minilm-l3"  # §5: one efficient model's attention profiles alpha
 CASCADES = (("minilm-l3", LARGE), ("minilm-l6", LARGE), ("bge-small", LARGE),
             ("minilm-l3", "bge-small", LARGE), ("minilm-l3", "minilm-l6", LARGE))
 ALPHA_START, ALPHA_STEP, ALPHA_MAX_LOSS = 0.5, 0.1, 0.02
@@ -138,85 +134,113 @@ class Encoder:
         return [c[0] for c in cut], out
 
 
+REACH_FLOOR = 0.01  # items less likely than this to reach a later level keep their full-text outputs there
+
+
+def _pruned_outputs(enc: dict[str, Encoder], task: str, split_texts: list[str], first: str, later: tuple[str, ...],
+                    alpha: float, rows: np.ndarray, importance, probs: dict, lengths: dict, desc: str):
+    """Per later model, (probabilities [N, C], lengths [N]) with the items ``rows`` on ``first``'s
+    pruned texts at ``alpha`` and every other item on its full text."""
+    texts, imp = importance
+    pruned = enc[first].pruned([texts[i] for i in rows], alpha, [imp[i] for i in rows])
+    out = {}
+    for m in later:
+        p, n = probs[m].copy(), lengths[m].copy()
+        if len(rows):
+            p[rows] = enc[m].probabilities(task, pruned, f"{desc} pruned by {first} alpha={alpha:.1f}")
+            n[rows] = enc[m].lengths(pruned)
+        out[m] = (p, n)
+    return out
+
+
 def profile_task(task: str, enc: dict[str, Encoder], progress: bool = True) -> tuple[dict, dict]:
-    """(the task's profile entry, its replay arrays)."""
+    """(the task's profile entry, its replay arrays).
+
+    Pruning is profiled where it matters, as §5 does ("extra rounds of DNN inference only for
+    LLMs"): the cheapest unpruned candidate meeting the target is selected first; alpha is then
+    swept (0.5, 0.6, ...) on the validation items that candidate sends on with probability >=
+    ``REACH_FLOOR``, pruned by its own first model, until the later levels' ensemble loses more
+    than 2 points on them; the candidates of that chain are re-profiled with the chosen alpha
+    and the cheapest of all that meets the target is taken. Items below the floor keep their
+    full-text outputs at the later levels (they practically never get there)."""
     split = {s: text_task_split(task, s)[:2] for s in ("val", "test")}
     labels_of = {s: split[s][1] for s in split}
-    probs = {m: {s: e.probabilities(task, split[s][0], f"{task}/{s}") for s in split} for m, e in enc.items()}
-    lengths = {m: {s: e.lengths(split[s][0]) for s in split} for m, e in enc.items()}
-    imp = {m: {s: enc[m].importance(split[s][0], f"{task}/{s}") for s in split} for m in FIRST}
-
-    # alpha, by the representative's pruning, on validation
-    rep_texts, rep_imp = imp[REPRESENTATIVE]["val"]
-    full_acc = float((probs[LARGE]["val"].argmax(1) == labels_of["val"]).mean())
-    alpha, sweep = None, []
-    a = ALPHA_START
-    while a < 3.0:
-        pruned = enc[REPRESENTATIVE].pruned(rep_texts, a, rep_imp)
-        acc = float((enc[LARGE].probabilities(task, pruned, f"{task}/val alpha={a:.1f}").argmax(1)
-                     == labels_of["val"]).mean())
-        kept = float(np.mean(enc[LARGE].lengths(pruned)) / np.mean(lengths[LARGE]["val"]))
-        sweep.append({"alpha": round(a, 1), "large_accuracy": acc, "token_share_kept": kept})
-        if full_acc - acc > ALPHA_MAX_LOSS:
-            break
-        alpha = round(a, 1)
-        a += ALPHA_STEP
-
-    # every first model prunes at alpha for the models after it
-    data = {s: {} for s in split}
-    pruned_len = {}
-    for s in split:
-        for m, e in enc.items():
-            data[s][m] = LevelData(probs[m][s], e.cost(lengths[m][s]))
-    per_first = {}
-    for first in FIRST:
-        later = sorted({m for chain in CASCADES if chain[0] == first for m in chain[1:]})
-        per_first[first] = {}
-        for s in split:
-            d = dict(data[s])
-            if alpha is not None:
-                texts, importance = imp[first][s]
-                pruned = enc[first].pruned(texts, alpha, importance)
-                for m in later:
-                    p = enc[m].probabilities(task, pruned, f"{task}/{s} pruned by {first}")
-                    n = enc[m].lengths(pruned)
-                    pruned_len[(first, m, s)] = n
-                    d[m] = LevelData(probs[m][s], d[m].cost, {alpha: p}, {alpha: enc[m].cost(n)})
-                    probs.setdefault(f"{m}|pruned-by|{first}", {})[s] = p
-            per_first[first][s] = d
-    alphas = (None,) if alpha is None else (None, alpha)
+    probs = {s: {m: e.probabilities(task, split[s][0], f"{task}/{s}") for m, e in enc.items()} for s in split}
+    lengths = {s: {m: e.lengths(split[s][0]) for m, e in enc.items()} for s in split}
+    data = {s: {m: LevelData(probs[s][m], enc[m].cost(lengths[s][m])) for m in enc} for s in split}
     labels = TEXT_TASKS[task].labels
-    candidates = profile_candidates(task, [(m,) for m in enc], data["val"], labels_of["val"])
-    for first in FIRST:
-        chains = [c for c in CASCADES if c[0] == first]
-        candidates += profile_candidates(task, chains, per_first[first]["val"], labels_of["val"], alphas)
-    target = float((probs[LARGE]["val"].argmax(1) == labels_of["val"]).mean()) - 0.005
+    candidates = profile_candidates(task, [(m,) for m in enc] + list(CASCADES), data["val"], labels_of["val"])
+    target = float((probs["val"][LARGE].argmax(1) == labels_of["val"]).mean()) - 0.005
+    base = select(candidates, target)
+    alpha, sweep, pruned_data, rebucket = None, [], {}, {}
+    if len(base.levels) > 1:
+        first, later = base.levels[0], base.levels[1:]
+        reach = reach_probabilities(base.levels, base.thresholds, base.k, data["val"])[1]
+        rows = np.flatnonzero(reach >= REACH_FLOOR)
+        imp_val = enc[first].importance(split["val"][0], f"{task}/val")
+        full = evaluate(base.levels, base.thresholds, base.k, None, data["val"], labels_of["val"], base.weights)
+        a = ALPHA_START
+        while a < 3.0 and len(rows):
+            out = _pruned_outputs(enc, task, split["val"][0], first, later, round(a, 1), rows, imp_val,
+                                  probs["val"], lengths["val"], f"{task}/val")
+            d = dict(data["val"])
+            for m, (p, n) in out.items():
+                d[m] = LevelData(probs["val"][m], d[m].cost, {round(a, 1): p}, {round(a, 1): enc[m].cost(n)})
+            ev = evaluate(base.levels, base.thresholds, base.k, round(a, 1), d, labels_of["val"], base.weights)
+            m = later[-1]
+            kept = float(out[m][1][rows].sum() / lengths["val"][m][rows].sum())
+            loss = (full["accuracy"] - ev["accuracy"]) * len(labels_of["val"]) / len(rows)  # on the rerouted items
+            sweep.append({"alpha": round(a, 1), "accuracy": ev["accuracy"], "loss_on_rerouted": loss,
+                          "token_share_kept": kept, "cost_ms": ev["cost"] * 1e3})
+            print(f"{task}: alpha {a:.1f}: accuracy {ev['accuracy']:.4f} (loss on rerouted {loss:+.4f}), "
+                  f"tokens kept {kept:.3f}", flush=True)
+            if loss > ALPHA_MAX_LOSS:
+                break
+            alpha, pruned_data = round(a, 1), d
+            a += ALPHA_STEP
+        if alpha is not None:
+            candidates += profile_candidates(task, [base.levels], pruned_data, labels_of["val"], (alpha,))
     entry = TaskProfile(labels, target, tuple(candidates))
+    chosen = select(candidates, target)
+
+    test_data = dict(data["test"])
+    replay = {"labels": labels_of["test"], "alpha": np.array(-1.0 if chosen.alpha is None else chosen.alpha)}
+    pruned_share = None
+    if chosen.alpha is not None:
+        first, later = chosen.levels[0], chosen.levels[1:]
+        reach = reach_probabilities(chosen.levels, chosen.thresholds, chosen.k, data["test"])[1]
+        rows = np.flatnonzero(reach >= REACH_FLOOR)
+        imp_test = enc[first].importance(split["test"][0], f"{task}/test")
+        out = _pruned_outputs(enc, task, split["test"][0], first, later, chosen.alpha, rows, imp_test,
+                              probs["test"], lengths["test"], f"{task}/test")
+        for m, (p, n) in out.items():
+            test_data[m] = LevelData(probs["test"][m], test_data[m].cost, {chosen.alpha: p},
+                                     {chosen.alpha: enc[m].cost(n)})
+            replay[f"probs/{m}|pruned-by|{first}"] = p.astype(np.float16)
+            replay[f"length/{m}|pruned-by|{first}"] = n.astype(np.int16)
+            rebucket[m] = {"rerouted_items": int(len(rows)),
+                           "full_ms": enc[m].cost(lengths["test"][m][rows]) * 1e3,
+                           "pruned_ms": enc[m].cost(n[rows]) * 1e3,
+                           "tokens_kept": float(n[rows].sum() / lengths["test"][m][rows].sum())}
+        pruned_share = 1.0 - rebucket[later[0]]["tokens_kept"]
 
     def on_test(c):
-        d = per_first.get(c.levels[0], {}).get("test", data["test"])
-        ev = evaluate(c.levels, c.thresholds, c.k, c.alpha, d, labels_of["test"], c.weights)
+        d = test_data if (c.alpha is None or c.levels == chosen.levels) else data["test"]
+        ev = evaluate(c.levels, c.thresholds, c.k, c.alpha if c.levels == chosen.levels else None, d,
+                      labels_of["test"], c.weights)
         return {"candidate": c.name(), "accuracy": ev["accuracy"], "cost_ms": ev["cost"] * 1e3,
                 "exit_shares": ev["exit_shares"]}
 
     test = {p: on_test(choose(p, entry)) for p in ("tabi", "tabi-small", "tabi-large", "tabi-infaas")}
     test["singles"] = {m: on_test(next(c for c in candidates if c.levels == (m,))) for m in enc}
-    chosen = select(candidates, target)
-    pruned_share = None
-    if chosen.alpha is not None and len(chosen.levels) > 1:
-        n = pruned_len[(chosen.levels[0], chosen.levels[1], "test")]
-        pruned_share = 1.0 - float(n.sum() / lengths[chosen.levels[1]]["test"].sum())
-    out = {"labels": list(labels), "target_accuracy": target, "alpha": alpha, "alpha_sweep": sweep,
-           "candidates": [c.to_json() for c in candidates], "test": test, "pruned_token_share_test": pruned_share,
-           "bucket_ms": {m: {str(b): t * 1e3 for b, t in e.bucket_seconds.items()} for m, e in enc.items()}}
-    replay = {"labels": labels_of["test"], "alpha": np.array(-1.0 if alpha is None else alpha)}
+    test["unpruned"] = on_test(base)
     for m in enc:
-        replay[f"probs/{m}"] = probs[m]["test"].astype(np.float16)
-        replay[f"length/{m}"] = lengths[m]["test"].astype(np.int16)
-    for (first, m, s), n in pruned_len.items():
-        if s == "test":
-            replay[f"length/{m}|pruned-by|{first}"] = n.astype(np.int16)
-            replay[f"probs/{m}|pruned-by|{first}"] = probs[f"{m}|pruned-by|{first}"]["test"].astype(np.float16)
+        replay[f"probs/{m}"] = probs["test"][m].astype(np.float16)
+        replay[f"length/{m}"] = lengths["test"][m].astype(np.int16)
+    out = {"labels": list(labels), "target_accuracy": target, "alpha": alpha, "alpha_sweep": sweep,
+           "rebucket_test": rebucket, "candidates": [c.to_json() for c in candidates], "test": test,
+           "pruned_token_share_test": pruned_share,
+           "bucket_ms": {m: {str(b): t * 1e3 for b, t in e.bucket_seconds.items()} for m, e in enc.items()}}
     return out, replay
 
 

@@ -171,7 +171,7 @@ class LevelData:
     pruned_cost: Mapping[float, float] = field(default_factory=dict)
 
 
-def _reach(levels: Sequence[str], thresholds: Sequence[float], k: float,
+def reach_probabilities(levels: Sequence[str], thresholds: Sequence[float], k: float,
            data: Mapping[str, LevelData]) -> list[np.ndarray]:
     """Per level j, each item's probability of reaching it (expected routing)."""
     reach = [np.ones(len(data[levels[0]].probabilities))]
@@ -197,7 +197,7 @@ def evaluate(levels: Sequence[str], thresholds: Sequence[float], k: float, alpha
         else:
             probs.append(data[m].pruned_probabilities[alpha])
             costs.append(data[m].pruned_cost[alpha])
-    reach = _reach(levels, thresholds, k, {m: LevelData(p, 0.0) for m, p in zip(levels, probs)})
+    reach = reach_probabilities(levels, thresholds, k, {m: LevelData(p, 0.0) for m, p in zip(levels, probs)})
     n_levels = len(levels)
     exit_p = [reach[j] - (reach[j + 1] if j + 1 < n_levels else 0.0) for j in range(n_levels)]
     correct = [(p.argmax(axis=1) == labels).astype(np.float64) for p in probs]
