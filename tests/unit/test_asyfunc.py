@@ -1,0 +1,216 @@
+"""AsyFunc's policy (jaxserve/sched/asyfunc.py): MLS, LLS, adaptive scheduling, the body-shadow
+split as multi-step requests, and the resource ledger, on a hand-made 4-layer model whose
+block [1:3) is shadowed (so a split runs all three steps: [0:1), [1:3) twice, [3:4))."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from jaxserve.sched.asyfunc import (AsyFuncKnobs, AsyFuncModel, AsyFuncPolicy, BodySpec, ResourceLedger, SplitOption,
+                                    initial_bodies)
+from jaxserve.sched.base import Cell, CostModel, LatencyProfile, Request, ShapeGrid, Stage
+from jaxserve.simulator import OUTCOMES, Transfer, simulate
+from jaxserve.traces import make_trace
+
+WHOLE, PRE, BLOCK, POST = (Stage("m", 0, 4, 4), Stage("m", 0, 1, 4), Stage("m", 1, 3, 4), Stage("m", 3, 4, 4))
+TWO_CORES = {"m": (0.10, 0.16, 0.28), "m[0:1]": (0.02, 0.03, 0.05), "m[1:3]": (0.06, 0.10, 0.18),
+             "m[3:4]": (0.02, 0.03, 0.05)}
+
+
+def costs(factor: float) -> CostModel:
+    return CostModel({name: LatencyProfile(name, {Cell(b): t * factor for b, t in zip((1, 2, 4), ts)})
+                      for name, ts in TWO_CORES.items()})
+
+
+SPLIT = SplitOption(BLOCK, bytes=40, load_s=0.01)
+
+
+def model(**kw) -> AsyFuncModel:
+    args = dict(name="m", num_layers=4, grid=ShapeGrid((1, 2, 4)), seq=0, latency={1: costs(1.8), 2: costs(1.0)},
+                body_bytes=100, body_load_s=5.0, splits=(SPLIT,), row_bytes=1000.0, transfer_hop_s=0.001,
+                transfer_bytes_per_s=1e6)
+    args.update(kw)
+    return AsyFuncModel(**args)
+
+
+def knobs(**kw) -> AsyFuncKnobs:
+    return AsyFuncKnobs(**{"slo_s": 0.5, "period_s": 10.0, "nodes": 4, "node_cores": 4, **kw})
+
+
+def sim_transfer(m: AsyFuncModel) -> Transfer:
+    return Transfer(m.transfer_bytes_per_s, m.transfer_hop_s, lambda b: len(b.request_ids) * m.row_bytes)
+
+
+def holdings(policy: AsyFuncPolicy) -> dict:
+    return {x.id: frozenset(policy.model.body_stages()) for x in policy.bodies()}
+
+
+def test_the_split_latency_is_the_three_steps_with_transfers_both_ways():
+    m = model()
+    # b = 4 split 2 / 2, body and shadow at 2 cores: pre(4) 0.05 + max(blk(2) 0.10, x(2) + blk(2) 0.10)
+    # + x(2) + post(4) 0.05, with x(2) = 0.001 + 2000 / 1e6 = 0.003
+    assert m.split_seconds(SPLIT, 2, 2, 4, 2) == pytest.approx(0.05 + 0.103 + 0.003 + 0.05)
+    b_body, t = m.best_split(SPLIT, 2, 1, 4)  # a 1-core shadow is slower: the body keeps more rows
+    assert b_body == 2 or b_body == 3
+    assert t == pytest.approx(m.split_seconds(SPLIT, 2, 1, 4, b_body))
+    assert m.body_stages() == (WHOLE, PRE, BLOCK, POST)
+
+
+def test_mls_provisions_only_configurations_that_meet_the_slo():
+    # at 1 core even one row takes 0.18 s > the 0.15 s SLO: every body gets 2 cores
+    k = knobs(slo_s=0.15)
+    bodies = initial_bodies(model(), k, rate=30.0)
+    assert bodies and all(b.cores == 2 for b in bodies)
+    policy = AsyFuncPolicy(model(), k, bodies)
+    # 2 cores meet 0.15 s at b = 1 only (b = 2 takes 0.16 s): 10 rps a body
+    assert policy._max_rps[2] == pytest.approx(10.0) and policy._max_rps[1] == 0.0
+    assert policy.r_max() * k.alpha >= 30.0 > (policy.r_max() - 10.0) * k.alpha
+    # loose SLO, b = 4 everywhere: eta = 4/(c t) + 4/t is 21.4 at 2 cores (t 0.28) against 15.9 at
+    # 1 core (t 0.504, cores scale well) ...
+    assert {b.cores for b in initial_bodies(model(), knobs(slo_s=2.0), rate=30.0)} == {2}
+    # ... and 23.8 at 1 core when a second core buys little (t 0.336): then 1-core bodies
+    poor = model(latency={1: costs(1.2), 2: costs(1.0)})
+    assert {b.cores for b in initial_bodies(poor, knobs(slo_s=2.0), rate=30.0)} == {1}
+
+
+def _period(policy: AsyFuncPolicy, start: float, rps: float, next_id: int) -> int:
+    n = int(rps * policy.knobs.period_s)
+    for i in range(n):
+        t = start + i * policy.knobs.period_s / n
+        policy.on_arrival(Request(next_id + i, t, "m", deadline=t + 100.0), t)
+    policy._queue.clear()  # what a period's arrivals leave behind is not the point here
+    return next_id + n
+
+
+def test_mls_scales_out_above_alpha_in_below_beta_and_holds_between():
+    k = knobs(slo_s=2.0, nodes=8)
+    policy = AsyFuncPolicy(model(), k, initial_bodies(model(), k, rate=20.0))
+    r_max = policy.r_max()
+    rid = 0
+    for period, share in enumerate((0.7, 0.62, 0.78)):  # inside [beta, alpha] * R_max: nothing changes
+        rid = _period(policy, period * 10.0, share * r_max, rid)
+        policy.plan((period + 1) * 10.0, [])
+    assert [d for d in policy.decisions if d[0] > 0] == []
+    rid = _period(policy, 30.0, 1.5 * r_max, rid)  # above alpha: out, until R <= alpha * R_max
+    policy.plan(40.0, [])
+    added = [d for d in policy.decisions if d[1] == "add_body" and d[0] == 40.0]
+    assert added and 1.5 * r_max <= k.alpha * policy.r_max()
+    bodies_then = len(policy.bodies())
+    _period(policy, 40.0, 0.1 * r_max, rid)  # below beta: in (only loaded bodies can go)
+    policy.plan(50.0, [])
+    assert len(policy.bodies()) < bodies_then
+    assert any(d[1] == "remove_body" for d in policy.decisions)
+
+
+def test_a_burst_pairs_shadows_with_the_bodies_that_become_idle_earliest():
+    k = knobs(kappa=1, slo_s=1.0)
+    policy = AsyFuncPolicy(model(), k, (BodySpec(0, 0, 1), BodySpec(1, 1, 2), BodySpec(2, 2, 2)))
+    # one request at a time, each dispatched at once to the smallest idle body (Alg. 3): r0 on the
+    # 1-core body 0 (busy until 0.18), r1 on body 1 (0.05 -> 0.15), r2 on body 2 (0.06 -> 0.16)
+    for rid, t in enumerate((0.0, 0.05, 0.06)):
+        policy.on_arrival(Request(rid, t, "m", deadline=t + 1.0), t)
+        plan = policy.plan(t, [w for w in (0, 1, 2) if w >= rid])
+        assert [(b.instance, b.request_ids) for b in plan.batches] == [(rid, (rid,))]
+    assert policy.shadows() == []  # the queue never reached gamma
+    for rid in (3, 4):  # a queue of gamma = 2 with every body busy
+        policy.on_arrival(Request(rid, 0.07, "m", deadline=1.07), 0.07)
+    plan = policy.plan(0.07, [])
+    shadows = policy.shadows()
+    assert len(shadows) == 1  # kappa
+    assert shadows[0].partner == 1 and shadows[0].node == 1  # the earliest idle body, on its node
+    assert shadows[0].cores == 1  # min(free 2, c_max // 2)
+    assert [(c.action, c.worker) for c in plan.placement] == [("add_worker", shadows[0].id)]
+    plan = policy.plan(0.07, [shadows[0].id])  # the worker is up: it loads the block only
+    assert [(c.action, c.worker, c.stage) for c in plan.placement] == [("load", shadows[0].id, BLOCK)]
+
+
+def test_split_batches_answer_every_row_exactly_once_and_shadows_go_after_the_burst():
+    m = model()
+    k = knobs(slo_s=1.0, shadow_idle_s=0.5)
+    steps: dict[int, list] = {}
+
+    class Recording(AsyFuncPolicy):
+        def on_completion(self, batch, now, summaries=None):
+            for r in batch.request_ids:
+                steps.setdefault(r, []).append((batch.stage, batch.instance, batch.final))
+            super().on_completion(batch, now, summaries)
+
+    policy = Recording(m, k, (BodySpec(0, 0, 2), BodySpec(1, 1, 2)))
+    rng = np.random.default_rng(0)
+    calm = np.sort(rng.uniform(0, 10, 20))
+    burst = np.sort(rng.uniform(10, 12, 60))  # 30 rps against ~2 x 14 rps of bodies
+    after = np.sort(rng.uniform(12, 20, 10))
+    arrivals = np.concatenate([calm, burst, after])
+    trace = make_trace(arrivals.tolist(), model="m", slo_s=[1.0] * len(arrivals))
+    r = simulate(policy, trace, m.latency[2], instances=2, holdings=holdings(policy), transfer=sim_transfer(m),
+                 load_time=lambda s: SPLIT.load_s if s == BLOCK else 0.0)
+    counts = r.outcome_counts()
+    assert sum(counts.values()) == len(arrivals) and counts["rejected"] == 0
+    assert policy.splits_done > 0
+    for rid in range(len(arrivals)):
+        if OUTCOMES[r.outcome[rid]] in ("ok", "late"):
+            assert sum(final for _, _, final in steps[rid]) == 1  # answered once
+        if len(steps.get(rid, ())) > 1:  # a split row: pre on its body, the block somewhere, post on the body
+            (s0, w0, _), (s1, w1, _), (s2, w2, f2) = steps[rid]
+            assert (s0, s1, s2) == (PRE, BLOCK, POST) and w0 == w2 and f2
+    shadow_rows = {rid for rid, st in steps.items() if len(st) == 3 and st[1][1] != st[0][1]}
+    assert shadow_rows  # some rows really ran on a shadow
+    assert any(d[1] == "add_shadow" for d in policy.decisions)
+    assert policy.shadows() == [] and policy.ledger.held("shadow") == (0, 0)  # released after the burst
+    released = max(d[0] for d in policy.decisions if d[1] == "remove_shadow")
+    assert 12.0 < released < 30.0
+
+
+def test_asyfunc_minus_never_scales_shadows_and_batch_waits_for_a_full_buffer():
+    m = model()
+    for variant in ("asyfunc-nolls", "asyfunc-batch"):
+        policy = AsyFuncPolicy(m, knobs(slo_s=1.0), (BodySpec(0, 0, 2),), variant=variant)
+        arrivals = np.linspace(0, 5, 60).tolist()
+        r = simulate(policy, make_trace(arrivals, model="m", slo_s=[1.0] * 60), m.latency[2], instances=1,
+                     holdings=holdings(policy))
+        assert policy.shadows() == [] and policy.splits_done == 0
+        assert sum(r.outcome_counts().values()) == 60
+    # BATCH: a lone request waits slo - t(c_max, b_max) = 1.0 - 0.28 for company
+    policy = AsyFuncPolicy(m, knobs(slo_s=1.0), (BodySpec(0, 0, 2),), variant="asyfunc-batch")
+    policy.on_arrival(Request(0, 0.0, "m", deadline=1.0), 0.0)
+    plan = policy.plan(0.0, [0])
+    assert plan.batches == () and plan.wake_at == pytest.approx(0.72)
+    assert len(policy.plan(0.72, [0]).batches) == 1
+
+
+def test_the_ledger_sums_cores_and_bytes_over_time():
+    ledger = ResourceLedger()
+    ledger.add(0.0, 0, "body", 2, 100)
+    ledger.add(5.0, 1, "shadow", 1, 40)
+    ledger.remove(7.0, 1)
+    ledger.add(8.0, 2, "body", 1, 100)
+    assert ledger.held() == (3, 200) and ledger.held("shadow") == (0, 0)
+    core_s, byte_s = ledger.usage(0.0, 10.0)
+    assert core_s == pytest.approx(2 * 10 + 1 * 2 + 1 * 2)
+    assert byte_s == pytest.approx(100 * 10 + 40 * 2 + 100 * 2)
+    assert ledger.usage(0.0, 10.0, "shadow") == pytest.approx((2.0, 80.0))
+    periods = ledger.periods(5.0, 10.0)
+    assert [p[1] for p in periods] == pytest.approx([2.0, (2 * 5 + 2 + 2) / 5])
+    assert sum(p[1] * 5.0 for p in periods) == pytest.approx(core_s)
+
+
+def test_the_policy_ledger_matches_its_instances_and_the_nodes():
+    m = model()
+    k = knobs(slo_s=1.0, shadow_idle_s=0.5)
+    policy = AsyFuncPolicy(m, k, (BodySpec(0, 0, 2), BodySpec(1, 1, 2)))
+    arrivals = np.sort(np.random.default_rng(1).uniform(0, 4, 80)).tolist()
+    r = simulate(policy, make_trace(arrivals, model="m", slo_s=[1.0] * 80), m.latency[2], instances=2,
+                 holdings=holdings(policy), transfer=sim_transfer(m))
+    cores, nbytes = policy.ledger.held()
+    assert cores == sum(x.cores for x in policy._inst.values())
+    assert nbytes == sum(x.nbytes for x in policy._inst.values())
+    assert sum(policy._node_free) + cores == k.nodes * k.node_cores
+    end = float(r.finish.max())
+    total = policy.ledger.usage(0.0, end)[0]
+    assert total == pytest.approx(sum(p[1] * (min(p[0] + k.period_s, end) - p[0])
+                                      for p in policy.ledger.periods(k.period_s, end)))
+    assert total >= 4 * end  # the two bodies alone
+    assert math.isfinite(total)
