@@ -34,7 +34,10 @@ finishes them (``Plan.finish``) or evicts them. A batch of a layer range is pric
 cost model's profile named ``stage.label()`` (a whole model's by the model's name). A
 step of a stage after the first whose requests' previous step ran on another instance
 first moves their activations: ``transfer.hop_latency + bytes / transfer.bandwidth``,
-with ``transfer.activation_bytes(batch)`` bytes (measured on Ray by bench/workers.py).
+with ``transfer.activation_bytes(batch)`` bytes (measured on Ray by bench/workers.py). When
+only some of the rows come from another instance (a batch whose rows were split over two
+workers and are merged again, AsyFunc's body and shadow), only those move: the batch handed
+to ``activation_bytes`` then holds just the moved requests, in a cell of that many rows.
 Placement changes in a plan take time as they do live: a new worker is ready after
 ``worker_start``, a stage load holds its worker for ``load_time(stage)``; the policy
 hears of each through ``on_placement`` and ``on_workers``.
@@ -478,13 +481,13 @@ def simulate(
             if len(ids) > batch.cell.batch:
                 raise RuntimeError(f"{len(ids)} requests do not fit cell {batch.cell}")
             b = len(batches)
-            moved = False
+            moved = 0
             for r in ids:
                 sr = state[r]
                 if sr == _QUEUED:
                     start[r] = now
                 elif sr == _HELD:
-                    moved = moved or last_instance[r] != inst
+                    moved += last_instance[r] != inst
                 else:
                     raise RuntimeError(f"policy batched request {r}, which is not queued")
                 state[r] = _RUNNING
@@ -497,7 +500,13 @@ def simulate(
                     noise = rng.lognormal(-0.5 * latency_noise**2, latency_noise, 4096).tolist()
                 t *= noise.pop()
             if moved and transfer is not None and batch.stage is not None and not batch.stage.first:
-                t += transfer.seconds(batch)
+                if moved < len(ids):  # only the rows that ran elsewhere move (module docstring)
+                    rows = tuple(r for r in ids if last_instance[r] != inst)
+                    cell = batch.cell
+                    t += transfer.seconds(Batch(rows, batch.model, Cell(len(rows), cell.seq, cell.gamma), inst,
+                                                batch.stage, batch.final))
+                else:
+                    t += transfer.seconds(batch)
             done = now + t + batch_overhead
             batches.append(batch)
             batch_start.append(now)

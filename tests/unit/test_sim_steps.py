@@ -151,3 +151,29 @@ def test_a_measured_transfer_profile_prices_a_hop(tmp_path):
     t = Transfer.from_profile(path, lambda b: b.cell.batch * 64 * 384 * 4.0)
     batch = Batch((0,), "m", Cell(8), 1, S1, final=True)
     assert t.seconds(batch) == pytest.approx(0.004 + 8 * 64 * 384 * 4 / 2e9)
+
+
+def test_rows_split_over_two_workers_and_merged_move_only_the_rows_from_elsewhere():
+    # AsyFunc's body-shadow split: r0 runs m[0:2] on worker 0 and r1 on worker 1 (both 0 -> 1.0),
+    # then both merge on worker 0 for m[2:4] (cell 2: 0.8 s). Only r1 moves: 0.1 s hop + 1 row x 1000 B at 10 kB/s = 0.2 s.
+    class Split(PipelineBatching):
+        def plan(self, now, idle):
+            if now == 0.0 and len(self._waiting.get((S0, 0), ())) == 2:
+                r0, r1 = self._waiting[(S0, 0)]
+                self._waiting[(S0, 0)].clear()
+                for r in (r0, r1):
+                    self._drop(r, S0)
+                    self._requests[r.id] = r
+                return Plan((Batch((0,), "m", Cell(1), 0, S0, final=False),
+                             Batch((1,), "m", Cell(1), 1, S0, final=False)))
+            return super().plan(now, [w for w in idle if w == 0])
+
+    trace = make_trace([0.0, 0.0], model="m", slo_s=[INF, INF])
+    rows_moved = []
+    transfer = Transfer(bandwidth=10_000, hop_latency=0.1,
+                        activation_bytes=lambda b: rows_moved.append(b.request_ids) or 1000.0 * b.cell.batch)
+    r = simulate(Split({"m": (S0, S1)}, GRID), trace, COST, instances=2, transfer=transfer,
+                 holdings={0: frozenset({S0, S1}), 1: frozenset({S0})})
+    assert rows_moved == [(1,)]
+    assert r.finish.tolist() == pytest.approx([2.0, 2.0])  # 1.0 + 0.2 + 0.8
+
