@@ -158,7 +158,9 @@ def test_rows_split_over_two_workers_and_merged_move_only_the_rows_from_elsewher
     # then both merge on worker 0 for m[2:4] (cell 2: 0.8 s). Only r1 moves: 0.1 s hop + 1 row x 1000 B at 10 kB/s = 0.2 s.
     class Split(PipelineBatching):
         def plan(self, now, idle):
-            if now == 0.0 and len(self._waiting.get((S0, 0), ())) == 2:
+            if now == 0.0 and len(self._waiting.get((S0, 0), ())) < 2:
+                return Plan()  # wait for the second arrival (same instant)
+            if now == 0.0 and len(self._waiting[(S0, 0)]) == 2:
                 r0, r1 = self._waiting[(S0, 0)]
                 self._waiting[(S0, 0)].clear()
                 for r in (r0, r1):
@@ -166,6 +168,8 @@ def test_rows_split_over_two_workers_and_merged_move_only_the_rows_from_elsewher
                     self._requests[r.id] = r
                 return Plan((Batch((0,), "m", Cell(1), 0, S0, final=False),
                              Batch((1,), "m", Cell(1), 1, S0, final=False)))
+            if self._requests:  # merge: wait until both halves are done
+                return Plan()
             return super().plan(now, [w for w in idle if w == 0])
 
     trace = make_trace([0.0, 0.0], model="m", slo_s=[INF, INF])
