@@ -33,7 +33,7 @@ ORDER = (
     "sim_speed", "arlo_solver", "arlo_sim", "arlo_short",
     "polymorph", "tuning", "coldstart", "stages", "workers", "peer",
     "otas_profile", "otas_throughput", "otas_accuracy", "otas_utility", "otas_live",
-    "load", "fidelity", "sim_knee", "abandon", "arlo_live",
+    "tabi_sim", "load", "fidelity", "sim_knee", "abandon", "arlo_live", "tabi_live",
 )
 
 
