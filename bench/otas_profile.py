@@ -73,7 +73,8 @@ def main() -> None:
     from jaxserve.profiler import save_cost_model
     from jaxserve.sched.otas import LoadToGamma
 
-    cost, grid = measure(args.rounds, args.cache_dir)
+    batches = (BATCHES[0], BATCHES[-1]) if args.quick else BATCHES  # quick: the smallest and largest batch
+    cost, grid = measure(args.rounds, args.cache_dir, batches)
     save_cost_model(args.out, cost)
     lat = cost.latency["vit-demo"]
     acc = cost.accuracy["vit-demo"]
