@@ -25,6 +25,9 @@ from tqdm import tqdm
 from jaxserve import traces
 from jaxserve.compile_cache import CacheDirError, CompileCache, check_cache_root, compile_count
 from jaxserve.launch import (
+    ASYFUNC_BODY_START_S,
+    ASYFUNC_NOT_LIVE,
+    ASYFUNC_SHADOW_START_S,
     IMAGE_MODELS,
     KNOWN_MODELS,
     MODELS,
@@ -34,6 +37,7 @@ from jaxserve.launch import (
     make_policy,
     profile_latency,
     cascade_profile_path,
+    simulate_asyfunc,
     simulate_cascade,
     simulated_models,
 )
@@ -62,7 +66,7 @@ from jaxserve.registry import (
     vit_demo_prompts_dir,
 )
 from jaxserve.runtime import ImageRuntime
-from jaxserve.sched import CASCADE_POLICIES, IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES
+from jaxserve.sched import ASYFUNC_POLICIES, CASCADE_POLICIES, IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES
 from jaxserve.sched.tabi import load_cascade_profile
 from jaxserve.sched.base import Cell, CostModel, ShapeGrid
 from jaxserve.servables import bert_servable, weights_of
@@ -294,6 +298,8 @@ def cmd_serve(args) -> int:
 
     if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
         raise CliError("--ssl-certfile and --ssl-keyfile go together: HTTPS needs both")
+    if args.policy in ASYFUNC_POLICIES:  # before binding and warming
+        raise CliError(ASYFUNC_NOT_LIVE)
     for family, only in ((TEXT_STREAM_POLICIES, "minilm-l6"), (IMAGE_POLICIES, _image_model(args))):
         if args.policy in family and _models(args) != (only,):  # before binding and warming, not after
             raise CliError(f"--policy {args.policy} serves exactly one model, {only} (--model {only}); "
@@ -329,6 +335,8 @@ def cmd_profile(args) -> int:
     --cascade, Tabi's candidates (training/profile_cascade.py)."""
     if args.staircase:
         return _staircase(args)
+    if args.layers:
+        return _profile_layers(args)
     if args.cascade:
         from training.profile_cascade import main as profile_cascade  # see that module's docstring
 
@@ -353,6 +361,56 @@ def cmd_profile(args) -> int:
     out = Path(args.out or default_cost_model_path(args.cache_dir, args.precision))
     save_cost_model(out, cost)
     print(f"cost model: {out}")
+    return 0
+
+
+def _profile_layers(args) -> int:
+    """--layers: AsyFunc's per-layer sensitivity, blocks and stage costs at 1 and 2 cores
+    (jaxserve/layer_profile.py), into the cost model's sibling file and the cost model."""
+    from jaxserve.layer_profile import profile_layers, write_layers  # see the module docstring
+
+    out = Path(args.out or default_cost_model_path(args.cache_dir, args.precision))
+    cores = tuple(c for c in (1, 2) if c <= len(os.sched_getaffinity(0)))
+    for name in _models(args):
+        profile = profile_layers(name, cores=cores, repeats=args.repeats, progress=True)
+        path = write_layers(out, profile, machine_description())
+        corr = profile["correlation"]
+        print(f"{name}: sensitivity vs memory over {corr['units']} units: Pearson {corr['pearson']:+.2f}, "
+              f"Spearman {corr['spearman']:+.2f}; shadow blocks {[(s['start'], s['stop']) for s in profile['splits']]}"
+              f" -> {path}")
+    return 0
+
+
+def _simulate_asyfunc(args) -> int:
+    """--policy asyfunc|asyfunc-nolls|asyfunc-batch: the layer profile next to --cost-model."""
+    from jaxserve.layer_profile import layers_path
+    from jaxserve.sched.asyfunc import AsyFuncKnobs, model_from_layers
+
+    path = layers_path(args.cost_model)
+    if not path.exists():
+        raise CliError(f"--policy {args.policy} plans with the layer profile {path}: jaxserve profile --layers "
+                       f"--out {args.cost_model} --model M")
+    name = args.sim_model or "minilm-l6"
+    try:
+        model = model_from_layers(json.loads(path.read_text()), name, body_start_s=ASYFUNC_BODY_START_S,
+                                  shadow_start_s=ASYFUNC_SHADOW_START_S)
+    except KeyError as exc:
+        raise CliError(str(exc.args[0])) from None
+    slo = args.slo_ms / 1e3 if args.slo_ms else 2 * model.seconds(None, 2, 4)  # the paper's rule, x2
+    knobs = AsyFuncKnobs(slo_s=slo, c_max=max(model.latency), b_max=min(4, model.grid.max_batch))
+    arrivals = _arrivals(args)
+    trace = traces.make_trace(arrivals, model=name, length=np.full(len(arrivals), model.seq), slo_s=slo)
+    t0 = time.perf_counter()
+    result, policy = simulate_asyfunc(args.policy, model, knobs, trace, initial_rate=args.rate,
+                                      latency_noise=args.latency_noise, seed=args.seed)
+    end = float(np.nanmax(result.finish))
+    core_s, byte_s = policy.ledger.usage(0.0, end)
+    summary = {k: v for k, v in result.summary().items()}
+    summary.update(slo_s=slo, mean_cores=core_s / end, mean_param_mb=byte_s / end / 1e6,
+                   shadows_started=sum(d[1] == "add_shadow" for d in policy.decisions),
+                   bodies_started=sum(d[1] == "add_body" for d in policy.decisions), split_batches=policy.splits_done,
+                   wall_seconds=time.perf_counter() - t0)
+    print(json.dumps(summary, indent=1, default=float))
     return 0
 
 
@@ -411,6 +469,8 @@ def cmd_simulate(args) -> int:
     """Run a policy on a virtual clock with the profiled cost model."""
     if args.policy in CASCADE_POLICIES:
         return _simulate_cascade(args)
+    if args.policy in ASYFUNC_POLICIES:
+        return _simulate_asyfunc(args)
     cost = load_cost_model(args.cost_model)
     model = args.sim_model or ("vit-demo" if args.policy in IMAGE_POLICIES else "minilm-l6")
     if model not in cost.latency:
@@ -684,6 +744,9 @@ def main(argv: list[str] | None = None) -> int:
     served(sp)
     sp.add_argument("--accuracy", action="store_true",
                     help="also profile accuracy per (task, gamma) on the held-out profiling split (OTAS)")
+    sp.add_argument("--layers", action="store_true",
+                    help="instead: AsyFunc's per-layer sensitivity, memory, load time, shadow blocks and stage costs "
+                         "at 1 and 2 cores, into the cost model (--out) and its sibling X.layers.json")
     sp.add_argument("--cascade", action="store_true",
                     help="instead: profile Tabi's cascade candidates of every text task on validation, report "
                          "the chosen ones on test, write jaxserve/profiles/cascade.json and the replay files")

@@ -26,7 +26,8 @@ from jaxserve.engine import Engine, whole_stage
 from jaxserve.polymorph import raise_if_stopped
 from jaxserve.profiler import load_cost_model, machine_description, profile_table, save_cost_model
 from jaxserve.runtime import ModelRuntime, TaskHead, TextRuntime
-from jaxserve.sched import CASCADE_POLICIES, IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES, baselines
+from jaxserve.sched import (ASYFUNC_POLICIES, CASCADE_POLICIES, IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES,
+                            baselines)
 from jaxserve.sched.arlo import ArloPolicy, TargetTrackingAutoscaler
 from jaxserve.sched.base import AccuracyProfile, Cell, CostModel, LatencyProfile, ShapeGrid
 from jaxserve.sched.batching import DeadlineBatching
@@ -186,6 +187,8 @@ def make_policy(settings: ServeSettings, models: Mapping[str, Any], cost: CostMo
         return make_otas_policy(settings.policy, models, cost, settings.extra.get("otas", {}))
     if settings.policy in CASCADE_POLICIES:
         return make_tabi_policy(settings, models, cost)
+    if settings.policy in ASYFUNC_POLICIES:
+        raise ValueError(ASYFUNC_NOT_LIVE)
     raise ValueError(f"unknown policy {settings.policy!r}; known: {', '.join(SERVE_POLICIES)}")
 
 
@@ -431,6 +434,43 @@ def settle_heap() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
+
+
+ASYFUNC_NOT_LIVE = ("--policy asyfunc (and asyfunc-nolls, asyfunc-batch) runs in simulation only: `jaxserve simulate "
+                    "--policy asyfunc` after `jaxserve profile --layers`. Live body and shadow workers are not wired "
+                    "into the server yet (issue 21)")
+
+
+# What a new AsyFunc body and a shadow pay besides their parameters' load, in simulation: a body
+# starts a worker process and loads a warm grid from serialized executables (3.8 s measured for
+# MiniLM's, bench/RESULTS.md coldstart); a shadow starts from a node's warm worker and loads its
+# block's 4 cells (1.81 s / 54 cells each, same measurement).
+ASYFUNC_BODY_START_S = 3.8
+ASYFUNC_SHADOW_START_S = 4 * 1.81 / 54
+
+
+def simulate_asyfunc(variant: str, model, knobs, trace, *, initial_rate: float, latency_noise: float = 0.0,
+                     seed: int = 0):
+    """AsyFunc (or a baseline, ``variant``) on ``trace``, simulated: bodies for ``initial_rate``
+    to start with (loaded), every step priced at its instance's cores by the policy, the
+    shadow's rows moved at the model's transfer rate, a new body loading in
+    ``model.body_load_s`` and a shadow's block in its split's ``load_s`` (a body loading the
+    stages it splits at pays the block's load too: its executables, conservatively priced as
+    the shadow's parameters). Returns (SimResult, the policy: its ledger and decisions)."""
+    from jaxserve.sched.asyfunc import AsyFuncPolicy, initial_bodies
+    from jaxserve.simulator import Transfer, simulate
+
+    bodies = initial_bodies(model, knobs, initial_rate, variant)
+    policy = AsyFuncPolicy(model, knobs, bodies, variant)
+    stages = frozenset(model.body_stages())
+    transfer = Transfer(model.transfer_bytes_per_s, model.transfer_hop_s,
+                        lambda batch: len(batch.request_ids) * model.row_bytes)
+    block_load = {s.block: s.load_s for s in model.splits}
+    result = simulate(policy, trace, model.latency[knobs.c_max], instances=len(bodies),
+                      holdings={b.id: stages for b in bodies}, transfer=transfer,
+                      load_time=lambda st: model.body_load_s if st.whole else block_load.get(st, 0.0),
+                      latency_noise=latency_noise, seed=seed)
+    return result, policy
 
 
 def cascade_cost_model(task_entry: Mapping, models) -> CostModel:

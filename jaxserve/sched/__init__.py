@@ -9,4 +9,6 @@ TEXT_STREAM_POLICIES = ("arlo", "st", "dt", "infaas")  # Arlo and its baselines:
 IMAGE_POLICIES = ("otas", "pets", "tome", "vpt")  # OTAS and its baselines: one image model
 # Tabi's cascade and its baselines, over the text encoders the cascade profile names (jaxserve/sched/tabi.py)
 CASCADE_POLICIES = ("tabi", "tabi-small", "tabi-large", "tabi-infaas")
-SERVE_POLICIES = ("default", *TEXT_STREAM_POLICIES, *IMAGE_POLICIES, *CASCADE_POLICIES)
+# AsyFunc and its baselines (jaxserve/sched/asyfunc.py): simulation only so far (serve refuses them)
+ASYFUNC_POLICIES = ("asyfunc", "asyfunc-nolls", "asyfunc-batch")
+SERVE_POLICIES = ("default", *TEXT_STREAM_POLICIES, *IMAGE_POLICIES, *CASCADE_POLICIES, *ASYFUNC_POLICIES)

@@ -71,11 +71,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from jaxserve.sched.base import (Batch, Cell, CostModel, PlacementChange, Plan, Policy, Request, ShapeGrid, Stage,
-                                 StepSummary, WorkerView)
+from jaxserve.sched.base import (Batch, Cell, CostModel, LatencyProfile, PlacementChange, Plan, Policy, Request,
+                                 ShapeGrid, Stage, StepSummary, WorkerView)
 
 __all__ = ["ASYFUNC_VARIANTS", "AsyFuncKnobs", "AsyFuncModel", "AsyFuncPolicy", "BodySpec", "ResourceLedger",
-           "SplitOption", "initial_bodies"]
+           "SHARED_MEMORY_BYTES_PER_S", "SplitOption", "initial_bodies", "model_from_layers"]
 
 ASYFUNC_VARIANTS = ("asyfunc", "asyfunc-nolls", "asyfunc-batch")
 _INF = math.inf
@@ -707,3 +707,32 @@ class AsyFuncPolicy(Policy):
             out = [Batch(group.rows, name, model.cell(len(group.rows)), group.body, model.post(blk), final=True)]
         group.running = len(out)
         return out
+
+
+# The paper's transfer between a body and its shadow on one node: shared memory, 0.32 ms per MB
+# written and read (§6). The default here, since LLS places a shadow on its body's node.
+SHARED_MEMORY_BYTES_PER_S = 1e6 / 0.32e-3
+
+
+def model_from_layers(raw: Mapping, name: str, batch_sizes: Sequence[int] = (1, 2, 4, 8),
+                      body_start_s: float = 0.0, shadow_start_s: float = 0.0, transfer_hop_s: float = 0.0,
+                      transfer_bytes_per_s: float = SHARED_MEMORY_BYTES_PER_S) -> AsyFuncModel:
+    """The :class:`AsyFuncModel` of ``name`` from a layer file's contents (``jaxserve profile
+    --layers``: ``{"models": {name: {"num_layers", "seq", "param_bytes", "load_s", "row_bytes",
+    "splits": [{start, stop, bytes, load_s}], "latency": {cores: {profile: {batch: s}}}}}}``).
+    ``body_start_s``: what a new body pays before loading (a cold worker; the paper's container
+    start), added to the model's load time; ``shadow_start_s``: what a shadow pays besides its
+    block's parameters (its executables' load), added to each split's."""
+    if name not in raw.get("models", {}):
+        raise KeyError(f"the layer profile has {sorted(raw.get('models', {}))}, not {name!r}: "
+                       f"jaxserve profile --layers --model {name}")
+    p = raw["models"][name]
+    L, seq = int(p["num_layers"]), int(p["seq"])
+    latency = {int(c): CostModel({label: LatencyProfile(label, {Cell(int(b), seq): float(t) for b, t in ts.items()})
+                                  for label, ts in stages.items()})
+               for c, stages in p["latency"].items()}
+    splits = tuple(SplitOption(Stage(name, int(s["start"]), int(s["stop"]), L), int(s["bytes"]),
+                               shadow_start_s + float(s["load_s"])) for s in p["splits"])
+    grid = ShapeGrid(tuple(batch_sizes), (seq,) if seq else ())
+    return AsyFuncModel(name, L, grid, seq, latency, int(p["param_bytes"]), body_start_s + float(p["load_s"]),
+                        splits, float(p["row_bytes"]), transfer_hop_s, transfer_bytes_per_s)
