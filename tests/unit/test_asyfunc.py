@@ -214,3 +214,36 @@ def test_the_policy_ledger_matches_its_instances_and_the_nodes():
                                       for p in policy.ledger.periods(k.period_s, end)))
     assert total >= 4 * end  # the two bodies alone
     assert math.isfinite(total)
+
+
+def test_the_extractor_groups_similar_layers_and_keeps_the_embeddings_off_the_shadow():
+    from jaxserve.layer_profile import Unit, correlation, group_blocks
+
+    def unit(name, layer, nbytes, grow):
+        return Unit(name, "x", layer, nbytes, nbytes * 1e-9, {2: 1.0, 4: 1.0 + grow})
+
+    sens = [1.0, 1.1, 0.95, 1.05, 0.2, 0.21]  # layers 0-3 alike, 4-5 far less sensitive
+    units = [unit("embeddings", -1, 600, 0.0)]
+    units += [unit(f"L{k}", k, 100, s) for k, s in enumerate(sens)]
+    blocks, splits = group_blocks(units, 6, edge_bytes=(600, 0), tolerance=0.25, min_share=0.3, max_share=0.5)
+    got = [(b["start"], b["stop"], b["kept"]) for b in blocks]
+    # [0:4) would hold the embeddings (1000 of 1200 bytes): layer 0 is cut off and dropped as large
+    assert got == [(0, 1, False), (1, 4, True), (4, 6, False)]
+    assert splits == [dict(start=1, stop=4, bytes=300, load_s=pytest.approx(300e-9))]
+    c = correlation(units)
+    assert c["units"] == 7 and c["pearson"] < 0  # the big embedding table is the least sensitive
+
+
+def test_a_layer_file_becomes_the_model_the_policy_plans_with():
+    from jaxserve.sched.asyfunc import model_from_layers
+
+    raw = {"models": {"m": {
+        "num_layers": 4, "seq": 64, "param_bytes": 100, "load_s": 0.5, "row_bytes": 1000.0,
+        "splits": [{"start": 1, "stop": 3, "bytes": 40, "load_s": 0.01}],
+        "latency": {str(c): {name: {str(b): t * f for b, t in zip((1, 2, 4), ts)} for name, ts in TWO_CORES.items()}
+                    for c, f in ((1, 1.8), (2, 1.0))}}}}
+    m = model_from_layers(raw, "m", batch_sizes=(1, 2, 4), body_start_s=3.0, shadow_start_s=0.1)
+    assert m.body_load_s == 3.5 and m.splits == (SplitOption(BLOCK, 40, pytest.approx(0.11)),)
+    assert m.seconds(BLOCK, 1, 3) == pytest.approx(0.18 * 1.8) and m.cell(3) == Cell(4, 64)
+    with pytest.raises(KeyError, match="profile --layers"):
+        model_from_layers(raw, "other")
