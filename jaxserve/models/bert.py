@@ -90,6 +90,9 @@ class BertConfig:
         if config.get("hidden_act", "gelu") != "gelu":
             raise ValueError(f"unsupported hidden_act {config['hidden_act']!r}; only exact 'gelu'")
         if config.get("model_type") == "mpnet":
+            if config.get("relative_attention_num_buckets", 32) != 32:
+                # HF's MPNetEncoder.compute_position_bias buckets into 32 whatever the config says
+                raise ValueError("only 32 relative attention buckets are supported (as HF computes them)")
             return cls(
                 vocab_size=config["vocab_size"],
                 hidden_size=config["hidden_size"],
