@@ -1,0 +1,213 @@
+"""QUART's pieces (jaxserve/sched/quart.py): queueing, control, smoothing, cache, placement,
+and the policies driven through the simulator."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from jaxserve.sched.base import Cell, CostModel, LatencyProfile, ShapeGrid, Stage
+from jaxserve.sched.quart import (PID, CocktailLike, CpuCompensator, CvPropagation, InferlineLike, InflessLike,
+                                  LoadModel, ParameterCache, QuartPolicy, Server, choose_server, cut_stages,
+                                  erlang_c, fit_linear, kl_to_uniform, mmc_delay, mmc_wait, replicas_for,
+                                  smooth_allocation, smoothing_beta)
+from jaxserve.simulator import OUTCOMES, simulate
+from jaxserve.traces import make_trace
+
+
+# -- pure pieces ---------------------------------------------------------------------------------
+
+def test_erlang_c_and_mmc_delay_match_textbook_values():
+    # M/M/3 with lambda = 2, mu = 1 (a = 2 Erlangs): C = 4/9, Wq = C / (3 - 2) = 0.444.., W = Wq + 1
+    assert erlang_c(3, 2.0) == pytest.approx(4 / 9)
+    assert mmc_wait(2.0, 1.0, 3) == pytest.approx(4 / 9)
+    assert mmc_delay(2.0, 1.0, 3) == pytest.approx(1 + 4 / 9)
+    # c = 1 is M/M/1: W = 1 / (mu - lambda)
+    assert mmc_delay(0.5, 1.0, 1) == pytest.approx(2.0)
+    assert mmc_delay(3.0, 1.0, 3) == math.inf and erlang_c(2, 2.5) == 1.0
+    # more replicas, less delay
+    assert mmc_delay(2.0, 1.0, 4) < mmc_delay(2.0, 1.0, 3)
+
+
+def test_replicas_for_grows_with_rate_and_burstiness():
+    smooth = replicas_for(50.0, 10.0, 0.15, cv_arrival=0.1, cv_service=0.1)
+    bursty = replicas_for(50.0, 10.0, 0.15, cv_arrival=4.0, cv_service=0.1)
+    assert smooth >= 6 and bursty > smooth
+    assert replicas_for(100.0, 10.0, 0.15) > replicas_for(50.0, 10.0, 0.15)
+
+
+def test_pid_sign_more_delay_more_replicas():
+    pid = PID(1.0, 0.2, 0.2)
+    assert pid.update(2.0, 1.0) > 0  # T_i three times the target: add
+    pid = PID(1.0, 0.2, 0.2)
+    assert pid.update(-0.5, 1.0) < 0.5  # below target: nothing to add
+    pid = PID(0.0, 1.0, 0.0)
+    outs = [pid.update(0.5, 1.0) for _ in range(3)]
+    assert outs == sorted(outs) and outs[-1] > outs[0]  # a persistent excess integrates
+
+
+def test_cut_stages_balances_cost_and_cuts_evenly_when_layers_are_equal():
+    assert [(s.start, s.stop) for s in cut_stages("m", [1.0] * 12, 4)] == [(0, 3), (3, 6), (6, 9), (9, 12)]
+    stages = cut_stages("m", [5.0, 1, 1, 1, 1, 1], 2)
+    assert [(s.start, s.stop) for s in stages] == [(0, 1), (1, 6)]
+    assert len(cut_stages("m", [1.0] * 3, 8)) == 3
+
+
+def test_cv_propagation_fit_recovers_its_own_model():
+    truth = CvPropagation(0.05, 0.9, 0.4)
+    rng = np.random.default_rng(0)
+    samples = [(cv, rho, 1, truth.predict(cv, rho)) for cv, rho in zip(rng.uniform(0.1, 8, 50),
+                                                                        rng.uniform(0.1, 0.95, 50))]
+    fit = CvPropagation.fit(samples)
+    assert (fit.w0, fit.w1, fit.w2) == pytest.approx((0.05, 0.9, 0.4), abs=1e-6)
+    # a busy stage smooths a bursty input and roughens a regular one
+    assert truth.predict(4.0, 0.9) < 4.0 and truth.predict(0.1, 0.9) > 0.1
+
+
+def test_smoothing_pulls_a_smooth_stage_toward_its_neighbours_and_keeps_a_bursty_one():
+    assert smoothing_beta(0.0) == 0.0 and 0.8 < smoothing_beta(8.0) < 1.0
+    alloc = (1.0, 6.0, 1.0)
+    low = smooth_allocation(alloc, (0.1, 0.1, 0.1))
+    high = smooth_allocation(alloc, (8.0, 8.0, 8.0))
+    assert low[1] < high[1] < 6.0 + 1e-9 and low[1] < 2.0
+
+
+def test_fit_linear_and_cpu_compensation():
+    assert fit_linear([(1, 0), (1, 1), (1, 2)], [1, 3, 5]) == pytest.approx((1.0, 2.0))
+    comp = CpuCompensator(cpu_share=0.3, base_cores=2, max_cores=8).fit(service_rate=10.0, target=0.15)
+    assert comp.weights[1] > 0  # more load per replica, more cores
+    assert comp.cores(1.0, 10.0, 1) == 2 and comp.cores(9.0, 10.0, 1) > 2
+    assert comp.factor(4) < comp.factor(2) == pytest.approx(1.0)
+
+
+def test_parameter_cache_is_lru_under_its_high_water_mark():
+    a, b, c = (Stage("m", i, i + 1, 3) for i in range(3))
+    cache = ParameterCache([Server(0, 4, cache_mb=100.0)])
+    assert cache.insert(0, a, 40) == () and cache.insert(0, b, 40) == ()
+    cache.touch(0, a)  # b is now the least recently used
+    assert cache.insert(0, c, 40) == (b,)  # 120 MB > 85: evict b
+    assert cache.holds(0, a) and cache.holds(0, c) and not cache.holds(0, b)
+    assert cache.source(0, a) == "cache" and cache.source(0, b) == "cold"
+    cache.invalidate(a)
+    assert cache.source(0, a) == "cold"
+
+
+def test_load_model_cache_is_much_faster_than_disk():
+    lm = LoadModel()
+    assert lm.seconds(92, "cache") == pytest.approx(0.05 + 0.012)
+    assert lm.seconds(92, "cache") < 0.1 * lm.seconds(92, "page") < lm.seconds(92, "cold")
+
+
+def test_placement_disperses_and_prefers_a_cached_server():
+    counts = {0: 2, 1: 0, 2: 0}
+    free = {0: 2, 1: 4, 2: 4}
+    assert kl_to_uniform([1, 1, 1]) < kl_to_uniform([3, 0, 0])
+    assert choose_server(counts, free, cached=()) == 1  # dispersed: not on 0, most free, lowest id
+    assert choose_server(counts, free, cached=(2,)) == 2  # as dispersed, and cached
+    assert choose_server({0: 0, 1: 3}, {0: 1, 1: 1}, cached=(1,), kl_slack=0.1) == 0  # too concentrated
+    assert choose_server(counts, {0: 0, 1: 0, 2: 0}, cached=()) is None
+
+
+# -- the policies in simulation ------------------------------------------------------------------------
+
+S = (Stage("m", 0, 1, 4), Stage("m", 1, 2, 4), Stage("m", 2, 3, 4), Stage("m", 3, 4, 4))
+WHOLE = Stage("m", 0, 4, 4)
+GRID = {"m": ShapeGrid((1, 2, 4))}
+STEP = 0.01  # each stage, batch 1; the middle stage (S[1]) is twice as slow: the key stage
+
+
+def _cost():
+    def prof(name, t):
+        return LatencyProfile(name, {Cell(1): t, Cell(2): 1.9 * t, Cell(4): 3.6 * t})
+    lat = {s.label(): prof(s.label(), STEP * (2 if s is S[1] else 1)) for s in S}
+    lat["m"] = prof("m", STEP * 5)
+    return CostModel(lat)
+
+
+SERVERS = [Server(i, 4) for i in range(4)]
+
+
+def _quart(cache=None, **kw):
+    cost = _cost()
+    cache = cache or ParameterCache(SERVERS)
+    return QuartPolicy({"m": S}, GRID, cost, SERVERS, {i: 0 for i in range(4)}, {s: 50.0 for s in S},
+                       cache=cache, slo_s=0.2, period=0.5, reclaim_after=2.0, **kw)
+
+
+def _burst_trace(seed=0):
+    rng = np.random.default_rng(seed)
+    quiet1 = np.sort(rng.uniform(0, 10, 200))  # 20 req/s: one replica per stage copes
+    burst = np.sort(rng.uniform(10, 20, 800))  # 80 req/s: the slow stage (55 req/s at batch 4) needs more
+    quiet2 = np.sort(rng.uniform(20, 40, 400))
+    return make_trace(np.concatenate([quiet1, burst, quiet2]), model="m", slo_s=math.inf)
+
+
+def _run(policy, trace, instances=4, holdings=None):
+    holdings = holdings or {i: frozenset({S[i]}) for i in range(4)}
+    return simulate(policy, trace, _cost(), instances=instances, holdings=holdings,
+                    load_time=policy.planned_load_seconds)
+
+
+def test_a_burst_makes_the_slow_stage_the_key_stage_it_gets_replicas_first_and_smoothing_reclaims():
+    policy = _quart()
+    r = _run(policy, _burst_trace())
+    assert sum(r.outcome_counts().values()) == len(r) == r.outcome_counts()["ok"]  # answered exactly once
+    adds = [e for e in policy.events if e[1] == "load"]
+    first = [e[3] for e in adds if e[0] == adds[0][0]]
+    assert S[1].label() in first  # the slow stage gets replicas at the first correction
+    per_stage = [sum(e[3] == s.label() for e in adds) for s in S]
+    assert per_stage[1] == max(per_stage) and per_stage[1] > per_stage[0]
+    assert S[1] in policy.key_stages
+    during = [rep for t, rep in policy.replica_log if 12 <= t <= 20]
+    assert max(rep[1] for rep in during) >= 3 and max(rep[1] for rep in during) > max(rep[0] for rep in during)
+    last = policy.replica_log[-1][1]
+    assert last[1] < max(rep[1] for rep in during)  # reclaimed after the burst
+    assert any(e[1] == "remove" for e in policy.events)
+
+
+def test_new_key_stage_replicas_load_from_the_cache_where_it_holds_them():
+    cache = ParameterCache(SERVERS)
+    for srv in (1, 2):
+        cache.insert(srv, S[1], 50.0)
+    policy = _quart(cache)
+    _run(policy, _burst_trace())
+    loads = [e for e in policy.events if e[1] == "load" and e[3] == S[1].label()]
+    first_two = [policy.worker_server[e[2]] for e in loads[:2]]
+    assert set(first_two) <= {1, 2} and all(e[4] == "cache" for e in loads[:2])
+    # without a cache the same replicas come from disk, and take longer to come up
+    slow = _quart(use_cache=False)
+    r_slow = _run(slow, _burst_trace())
+    r_fast = _run(_quart(cache=_cached()), _burst_trace())
+    assert all(e[4] != "cache" for e in slow.events if e[1] == "load")
+    assert r_fast.mean_latency() < r_slow.mean_latency()
+
+
+def _cached():
+    cache = ParameterCache(SERVERS)
+    for srv in range(4):
+        for s in S:
+            cache.insert(srv, s, 50.0)
+    return cache
+
+
+@pytest.mark.parametrize("make", ["infless", "cocktail", "inferline"])
+def test_baselines_answer_every_request_once(make):
+    cost = _cost()
+    trace = _burst_trace(1)
+    if make == "inferline":
+        policy = InferlineLike({"m": S}, GRID, cost, SERVERS, {i: 0 for i in range(4)}, {s: 50.0 for s in S},
+                               slo_s=0.2, planned_rate=20.0, period=0.5)
+        r = _run(policy, trace)
+        assert any(e[1] == "load" and e[4] == "cold" for e in policy.events)  # no cache: from disk
+    else:
+        cls = InflessLike if make == "infless" else CocktailLike
+        policy = cls({"m": (WHOLE,)}, GRID, cost, SERVERS, {0: 0}, {WHOLE: 200.0}, period=0.5)
+        r = _run(policy, trace, instances=1, holdings={0: frozenset({WHOLE})})
+        assert max(rep[0] for _, rep in policy.replica_log) > 1
+        if make == "infless":
+            assert all(e[4] == "cold" for e in policy.events if e[1] == "load")
+    counts = r.outcome_counts()
+    assert counts["ok"] == len(r)
+    assert np.all(r.finish >= r.arrival)
