@@ -494,3 +494,23 @@ def text_task_split(task: str, split: str, seed: int = TEXT_SPLIT_SEED,
         idx, _ = train_test_split(idx, train_size=max_items, stratify=labels[idx], random_state=seed)
         idx = np.sort(idx)
     return [texts[i] for i in idx], labels[idx].astype(np.int32), TEXT_TASKS[task].labels
+
+
+@lru_cache(maxsize=1)
+def movie_plot_sentences(max_words: int = 45) -> tuple[str, ...]:
+    """The first sentence of each of the Rotten Tomatoes corpus's 1,097 'plot' rows (plot summaries:
+    descriptive text about films, without a critic's verdict), kept if at most ``max_words`` words,
+    unique, in corpus order. The default sentiment head uses them as *neutral* examples (a label we
+    assign, not the corpus's): reviews alone teach it that any sentence about a film or book is
+    polar."""
+    import bz2
+    import re
+
+    seen: dict[str, None] = {}
+    with bz2.open(rotten_tomatoes_csv(), "rt", encoding="utf-8", newline="") as f:
+        for row in csv.DictReader(f):
+            if row["category"] == "plot" and row["text"].strip():
+                first = re.split(r"(?<=[.!?])\s+", row["text"].strip())[0].strip()
+                if 3 <= len(first.split()) <= max_words:
+                    seen.setdefault(first, None)
+    return tuple(seen)
