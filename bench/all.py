@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -56,6 +57,27 @@ def plan(quick: bool = False, only: set[str] | None = None, skip: set[str] = fro
     return out
 
 
+def run_one(cmd: list[str], env: dict, timeout: float | None) -> int | str:
+    """Run one script; its exit status, or "timeout". A script past ``timeout`` gets SIGINT first,
+    so its ``finally`` blocks stop the servers it started (they run in their own sessions, out of
+    reach of a kill of its process group), then SIGTERM, then SIGKILL."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for sig, grace in ((signal.SIGINT, 60), (signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return "timeout"
+    except KeyboardInterrupt:  # Ctrl-C reached the script too; let it clean up, then stop here
+        proc.wait()
+        raise
+
+
 def _names(text: str | None) -> set[str]:
     return {x.strip() for x in (text or "").split(",") if x.strip()}
 
@@ -87,11 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             continue
         t0 = time.perf_counter()
-        try:
-            r = subprocess.run(cmd, cwd=ROOT, env=env, timeout=args.timeout)
-            rc = r.returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        rc = run_one(cmd, env, args.timeout)
         dt = time.perf_counter() - t0
         print(f"[{i}/{len(runs)}] {key}: {'ok' if rc == 0 else f'FAILED ({rc})'} in {dt:.0f} s "
               f"({time.perf_counter() - t_all:.0f} s so far)", flush=True)

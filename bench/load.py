@@ -301,7 +301,7 @@ def main():
     args = apply_quick(ap.parse_args())
     instance_counts = [int(x) for x in args.instances.split(",")]
     rates = [float(x) for x in args.rates.split(",")]
-    texts = sample_texts()
+    texts = sample_texts(40 if args.quick else 2000)  # quick: fewer lengths for the naive peer to compile
     url = f"http://127.0.0.1:{args.port}"
     py = sys.executable
     rows, knees = [], {}
