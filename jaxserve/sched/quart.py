@@ -434,7 +434,7 @@ def kl_to_uniform(counts: Sequence[float], eps: float = 1e-3) -> float:
 
 
 def choose_server(stage_counts: Mapping[int, int], free: Mapping[int, int], cached: Iterable[int],
-                  kl_slack: float = 0.5) -> int | None:
+                  kl_slack: float = 0.75) -> int | None:
     """Where the next replica of a key stage goes (§6.2): among servers with a free
     accelerator, the one whose choice leaves the stage's replica distribution closest to
     uniform (smallest KL, Eq. 8), except that a server caching the stage wins when its KL is
@@ -616,6 +616,10 @@ class ScalingPipeline(PipelineBatching):
         """Replicas each stage should have now (the controller). Default: as it is."""
         return {s: self.replicas(s) for s in self.stages}
 
+    def priority(self, stage: Stage) -> float:
+        """Order in which stages get free accelerators (smaller first). Default: chain order."""
+        return float(self.stages.index(stage))
+
     def place(self, stage: Stage, free: Mapping[int, int]) -> int | None:
         """The server for a new replica of ``stage``. Default: the most free accelerators."""
         best = max(free, key=lambda s: (free[s], -s))
@@ -636,7 +640,7 @@ class ScalingPipeline(PipelineBatching):
         want = self.desired(now, dt, rates)  # before the stats are reset: it reads service rates
         changes: list[PlacementChange] = []
         free = self.free_accelerators()
-        for stage in self.stages:
+        for stage in sorted(self.stages, key=self.priority):  # scarce accelerators go to the first
             have = self.replicas(stage)
             target = max(1, min(self.max_replicas, want.get(stage, have)))
             for _ in range(target - have):
@@ -742,12 +746,17 @@ class QuartPolicy(ScalingPipeline):
        (``q_i / (r_i μ_i) + 1/μ_i``; capped at 20 targets). ``T_target,i`` is the stage's
        share of the SLO: ``(slo_s - hops * hop_s) * cost_i / cost_chain``. A PID on
        ``(T_i - T_target,i) / T_target,i`` gives ``Δr``; ``floor(Δr)`` replicas are added when
-       it is at least 1, and the stage becomes a *key stage* (§6.1).
+       it is at least 1 (at most doubling the stage per period: a rate limit the paper does
+       not have, against the overshoot of a 20-target error), and the stage becomes a
+       *key stage* (§6.1).
     2. **Smoother (§5.2).** A stage that got no replica for ``reclaim_after`` seconds may
-       lose one per period down to ``max(1, need_i, ceil(y'_i))``: ``need_i`` the fewest
-       replicas meeting its target at its predicted CV (:func:`replicas_for`, the CV from
-       :class:`CvPropagation` along the chain from the first stage's measured arrival CV),
-       ``y'_i`` Eq. 7 (:func:`smooth_allocation`).
+       lose one per period down to ``max(1, ceil(1.1 λ_i / μ_i), ceil(y'_i))``: ``y'_i`` is
+       Eq. 7 (:func:`smooth_allocation`) applied to every stage's CV-based demand ``ŷ_j``,
+       the fewest replicas meeting its target at its predicted CV (:func:`replicas_for`, the
+       CV from :class:`CvPropagation` along the chain from the first stage's measured
+       arrival CV). The paper's ``ŷ`` is "the allocation after expansion"; smoothing the
+       allocation itself never lets a uniformly grown pipeline shrink, so we smooth the
+       demand (Algorithm 1, line 8).
     3. **CPU compensation (§5.3).** A stage that loses a replica gets the cores
        :class:`CpuCompensator` predicts for its remaining ones (its steps are priced with
        them: :meth:`service_time`).
@@ -760,7 +769,7 @@ class QuartPolicy(ScalingPipeline):
     def __init__(self, chains, grids, cost, servers, worker_server, stage_mb, *, slo_s: float,
                  hop_s: float = 0.0, pid: tuple[float, float, float] = (1.0, 0.2, 0.2),
                  cv_model: CvPropagation | None = None, cpu: CpuCompensator | None = None,
-                 reclaim_after: float = 5.0, kl_slack: float = 0.5, **kw) -> None:
+                 reclaim_after: float = 5.0, kl_slack: float = 0.75, **kw) -> None:
         super().__init__(chains, grids, cost, servers, worker_server, stage_mb, **kw)
         self.slo_s = slo_s
         self.cv_model = cv_model or CvPropagation()
@@ -805,14 +814,16 @@ class QuartPolicy(ScalingPipeline):
                 self.last_delay[s] = t
                 target = self.targets[s]
                 dr = self.pids[s].update((t - target) / target, dt)
-                add = int(math.floor(dr)) if dr >= 1 else 0
+                add = min(int(math.floor(dr)), max(1, r)) if dr >= 1 else 0  # at most double per period
                 if add and r > r_live:  # replicas still coming count against the correction
                     add = max(0, add - (r - r_live))
                 if add:
                     self.key_stages[s] = now
                 want[s] = r + add
                 alloc.append(float(want[s]))
-            smooth = smooth_allocation(alloc, cvs)
+            needs = [float(replicas_for(rates[s], mu, self.targets[s], cv, 0.3, limit=self.max_replicas))
+                     for s, mu, cv in zip(chain, mus, cvs)]
+            smooth = smooth_allocation(needs, cvs)
             for s, mu, cv, y in zip(chain, mus, cvs, smooth):
                 self.last_cv[s] = cv
                 r = want[s]
@@ -820,8 +831,8 @@ class QuartPolicy(ScalingPipeline):
                     continue
                 if r > len(self.ready_replicas(s)):
                     continue  # do not reclaim while replicas are still coming up
-                need = replicas_for(rates[s], mu, self.targets[s], cv, 0.3)
-                floor_ = max(1, need, math.ceil(y - 1e-9))
+                stable = math.ceil(1.1 * rates[s] / mu - 1e-9)
+                floor_ = max(1, stable, math.ceil(y - 1e-9))
                 if floor_ < r:
                     want[s] = r - 1
                     self.pids[s].reset()
@@ -830,6 +841,11 @@ class QuartPolicy(ScalingPipeline):
                 elif self.cpu is not None and rates[s] < 0.5 * (r * mu):
                     self.cores[s] = self.cpu.base_cores
         return want
+
+    def priority(self, stage):
+        """Key stages first: the largest normalised excess delay gets accelerators first."""
+        t = self.last_delay.get(stage)
+        return 0.0 if t is None else -(t - self.targets[stage]) / self.targets[stage]
 
     def place(self, stage, free):
         counts = {srv: 0 for srv in self.servers}
