@@ -11,4 +11,7 @@ IMAGE_POLICIES = ("otas", "pets", "tome", "vpt")  # OTAS and its baselines: one 
 CASCADE_POLICIES = ("tabi", "tabi-small", "tabi-large", "tabi-infaas")
 # AsyFunc and its baselines (jaxserve/sched/asyfunc.py): simulation only so far (serve refuses them)
 ASYFUNC_POLICIES = ("asyfunc", "asyfunc-nolls", "asyfunc-batch")
-SERVE_POLICIES = ("default", *TEXT_STREAM_POLICIES, *IMAGE_POLICIES, *CASCADE_POLICIES, *ASYFUNC_POLICIES)
+# QUART and its baselines (jaxserve/sched/quart.py): one model as a pipeline of stages; simulation only so far
+QUART_POLICIES = ("quart", "quart-infless", "quart-inferline", "quart-cocktail")
+SERVE_POLICIES = ("default", *TEXT_STREAM_POLICIES, *IMAGE_POLICIES, *CASCADE_POLICIES, *ASYFUNC_POLICIES,
+                  *QUART_POLICIES)
