@@ -28,8 +28,8 @@ from pathlib import Path
 
 from bench.common import ROOT, declared_scripts
 
-# Scripts in the order they run; a script that declares sections and is missing here runs last
-# (tests/unit/test_bench_harness.py keeps this list complete).
+# Scripts whose order matters, in the order they run (producers of profiles and cost models
+# first); a script that declares sections and is missing here runs after these, by name.
 ORDER = (
     "sim_speed", "arlo_solver", "arlo_sim", "arlo_short",
     "polymorph", "tuning", "coldstart", "stages", "workers", "peer",
