@@ -29,6 +29,7 @@ from jaxserve.launch import (
     ASYFUNC_NOT_LIVE,
     ASYFUNC_SHADOW_START_S,
     IMAGE_MODELS,
+    QUART_NOT_LIVE,
     KNOWN_MODELS,
     MODELS,
     ServeSettings,
@@ -39,6 +40,7 @@ from jaxserve.launch import (
     cascade_profile_path,
     simulate_asyfunc,
     simulate_cascade,
+    simulate_quart,
     simulated_models,
 )
 from jaxserve.models.bert import load_hf_bert
@@ -66,7 +68,8 @@ from jaxserve.registry import (
     vit_demo_prompts_dir,
 )
 from jaxserve.runtime import ImageRuntime
-from jaxserve.sched import ASYFUNC_POLICIES, CASCADE_POLICIES, IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES
+from jaxserve.sched import (ASYFUNC_POLICIES, CASCADE_POLICIES, IMAGE_POLICIES, QUART_POLICIES, SERVE_POLICIES,
+                            TEXT_STREAM_POLICIES)
 from jaxserve.sched.tabi import load_cascade_profile
 from jaxserve.sched.base import Cell, CostModel, ShapeGrid
 from jaxserve.servables import bert_servable, weights_of
@@ -300,6 +303,8 @@ def cmd_serve(args) -> int:
         raise CliError("--ssl-certfile and --ssl-keyfile go together: HTTPS needs both")
     if args.policy in ASYFUNC_POLICIES:  # before binding and warming
         raise CliError(ASYFUNC_NOT_LIVE)
+    if args.policy in QUART_POLICIES:
+        raise CliError(QUART_NOT_LIVE)
     for family, only in ((TEXT_STREAM_POLICIES, "minilm-l6"), (IMAGE_POLICIES, _image_model(args))):
         if args.policy in family and _models(args) != (only,):  # before binding and warming, not after
             raise CliError(f"--policy {args.policy} serves exactly one model, {only} (--model {only}); "
@@ -471,6 +476,8 @@ def cmd_simulate(args) -> int:
         return _simulate_cascade(args)
     if args.policy in ASYFUNC_POLICIES:
         return _simulate_asyfunc(args)
+    if args.policy in QUART_POLICIES:
+        return _simulate_quart(args)
     cost = load_cost_model(args.cost_model)
     model = args.sim_model or ("vit-demo" if args.policy in IMAGE_POLICIES else "minilm-l6")
     if model not in cost.latency:
@@ -511,6 +518,42 @@ def cmd_simulate(args) -> int:
             summary[key] = value
     summary["wall_seconds"] = wall
     summary["simulated_requests_per_minute"] = len(trace) / wall * 60
+    print(json.dumps(summary, indent=1, default=float))
+    return 0
+
+
+def _simulate_quart(args) -> int:
+    """--policy quart (or a baseline): --sim-model (default minilm-l6) cut into up to 8 stages on
+    --instances worker slots, 4 to a server (launch.simulate_quart); every request is answered
+    (no deadline: latency counts them all), and the SLO the policies plan with is --slo-ms
+    (default: 2x the profiled batch-1 time at the largest bucket)."""
+    if args.trace not in ("poisson", "mmpp", "gamma"):
+        raise CliError(f"--policy {args.policy} simulates generated arrivals (poisson, mmpp, gamma)")
+    cost = load_cost_model(args.cost_model)
+    model = args.sim_model or "minilm-l6"
+    if model not in cost.latency:
+        raise CliError(f"--sim-model {model}: {args.cost_model} prices {sorted(cost.latency)} only")
+    grid = simulated_models(cost, model)[model].grid
+    seq = grid.max_length
+    slo = args.slo_ms / 1e3 if args.slo_ms else 2 * cost.latency[model].latency_for(1, seq)
+    arrivals = _arrivals(args)
+    trace = traces.make_trace(arrivals, model=model, length=seq)
+    t0 = time.perf_counter()
+    try:
+        result, policy = simulate_quart(args.policy, cost, model, trace, workers=args.instances, slo_s=slo,
+                                        planned_rate=args.rate, latency_noise=args.latency_noise, seed=args.seed)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    wall = time.perf_counter() - t0
+    lat = result.latencies()
+    summary = {"requests": len(result), "mean_latency_ms": float(lat.mean()) * 1e3,
+               "p75_ms": float(np.percentile(lat, 75)) * 1e3, "p99_ms": float(np.percentile(lat, 99)) * 1e3,
+               "slo_ms": slo * 1e3, "within_slo": float(np.mean(lat <= slo)),
+               "goodput_per_s": float(np.sum(lat <= slo)) / result.span(),
+               "max_workers": max((sum(r) for _, r in policy.replica_log), default=0),
+               "loads": sum(1 for e in policy.events if e[1] == "load"),
+               "loads_from_cache": sum(1 for e in policy.events if e[1] == "load" and e[4] == "cache"),
+               "stages": [s.label() for s in policy.stages], "wall_seconds": wall}
     print(json.dumps(summary, indent=1, default=float))
     return 0
 

@@ -26,7 +26,8 @@ from jaxserve.engine import Engine, whole_stage
 from jaxserve.polymorph import raise_if_stopped
 from jaxserve.profiler import load_cost_model, machine_description, profile_table, save_cost_model
 from jaxserve.runtime import ModelRuntime, TaskHead, TextRuntime
-from jaxserve.sched import (ASYFUNC_POLICIES, CASCADE_POLICIES, IMAGE_POLICIES, SERVE_POLICIES, TEXT_STREAM_POLICIES,
+from jaxserve.sched import (ASYFUNC_POLICIES, CASCADE_POLICIES, IMAGE_POLICIES, QUART_POLICIES, SERVE_POLICIES,
+                            TEXT_STREAM_POLICIES,
                             baselines)
 from jaxserve.sched.arlo import ArloPolicy, TargetTrackingAutoscaler
 from jaxserve.sched.base import AccuracyProfile, Cell, CostModel, LatencyProfile, ShapeGrid
@@ -189,6 +190,8 @@ def make_policy(settings: ServeSettings, models: Mapping[str, Any], cost: CostMo
         return make_tabi_policy(settings, models, cost)
     if settings.policy in ASYFUNC_POLICIES:
         raise ValueError(ASYFUNC_NOT_LIVE)
+    if settings.policy in QUART_POLICIES:
+        raise ValueError(QUART_NOT_LIVE)
     raise ValueError(f"unknown policy {settings.policy!r}; known: {', '.join(SERVE_POLICIES)}")
 
 
@@ -530,3 +533,85 @@ def simulate_cascade(policy: str, task: str, arrivals, *, seed: int = 0, instanc
             "exit_shares": [e / max(1, sum(exits)) for e in exits],
             "pruned_token_share": tabi.tokens_pruned / tabi.tokens_in if tabi.tokens_in else 0.0,
             "requests": len(trace)}
+
+
+QUART_NOT_LIVE = ("--policy quart (and quart-infless, quart-inferline, quart-cocktail) runs in simulation only: "
+                  "`jaxserve simulate --policy quart`. Live stage workers scaled by the policy, the KeysManager "
+                  "parameter cache in Ray's object store and its placement are not wired into the server yet "
+                  "(issue 20)")
+
+
+def quart_stage_megabytes(model: str, stages) -> dict:
+    """Parameter megabytes (float32) each stage of a BERT-family ``model`` loads: its layers'
+    (4 h^2 + 2 h f weights and their biases and LayerNorms) plus, on the first stage, the
+    embeddings; the whole model under ``Stage(model, 0, L, L)``."""
+    from jaxserve.models.bert import BERT_CONFIGS
+    from jaxserve.sched.base import Stage
+
+    cfg = BERT_CONFIGS[model]
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    layer = (4 * h * h + 2 * h * f + 9 * h + f) * 4 / 1e6
+    embed = ((cfg.vocab_size + cfg.max_position + cfg.type_vocab_size) * h + 2 * h) * 4 / 1e6
+    out = {s: layer * (s.stop - s.start) + (embed if s.first else 0.0) for s in stages}
+    out[Stage(model, 0, cfg.num_layers, cfg.num_layers)] = layer * cfg.num_layers + embed
+    return out
+
+
+def simulate_quart(variant: str, cost: CostModel, model: str, trace, *, workers: int, slo_s: float,
+                   planned_rate: float, latency_noise: float = 0.0, seed: int = 0, max_stages: int = 8,
+                   accelerators_per_server: int = 4, transfer_profile: Path | None = None):
+    """``trace`` through QUART (``variant`` "quart") or a baseline ("quart-infless",
+    "quart-inferline", "quart-cocktail"; jaxserve/sched/quart.py) on ``workers`` worker slots,
+    ``accelerators_per_server`` to a server. ``model`` (a BERT-family model the cost model
+    prices) is cut into ``max_stages`` stages of equal layer cost, each priced at its share of
+    the whole model's profile; each pipeline starts with one replica per stage, one per server
+    (the whole-model baselines with one replica), QUART's cache holding each stage where it
+    starts. Activations move at the Ray hop in ``transfer_profile`` (default
+    bench/profiles/ray-transfer.json when present, else free). Returns (SimResult, policy)."""
+    import math
+
+    from jaxserve.sched import quart as q
+    from jaxserve.sched.base import Stage
+    from jaxserve.simulator import Transfer, simulate
+
+    if variant not in QUART_POLICIES:
+        raise ValueError(f"unknown QUART variant {variant!r}; known: {', '.join(QUART_POLICIES)}")
+    from jaxserve.models.bert import BERT_CONFIGS
+
+    if model not in BERT_CONFIGS:
+        raise ValueError(f"--policy {variant} cuts BERT-family models into layer stages: {model} is not one "
+                         f"({', '.join(sorted(BERT_CONFIGS))})")
+    layers = BERT_CONFIGS[model].num_layers
+    stages = q.cut_stages(model, [1.0] * layers, max_stages)
+    cost = q.stage_cost_model(cost, model, stages)
+    grid = simulated_models(cost, model)[model].grid
+    mb = quart_stage_megabytes(model, stages)
+    servers = [q.Server(i, accelerators_per_server) for i in range(max(1, math.ceil(workers / accelerators_per_server)))]
+    hidden = BERT_CONFIGS[model].hidden_size
+    path = transfer_profile or Path(__file__).resolve().parent.parent / "bench" / "profiles" / "ray-transfer.json"
+    transfer = Transfer.from_profile(path, lambda b: b.cell.batch * max(b.cell.seq, 1) * hidden * 4.0) \
+        if path.exists() else None
+    hop = transfer.hop_latency if transfer is not None else 0.0
+    whole = Stage(model, 0, layers, layers)
+    kw = dict(max_replicas=workers)
+    if variant in ("quart-infless", "quart-cocktail"):
+        cls = q.InflessLike if variant == "quart-infless" else q.CocktailLike
+        policy = cls({model: (whole,)}, {model: grid}, cost, servers, {0: 0}, mb, **kw)
+        holdings = {0: frozenset({whole})}
+    else:
+        if len(stages) > len(servers) * accelerators_per_server:
+            raise ValueError(f"{len(stages)} stages need at least {len(stages)} workers (--instances)")
+        placement = {i: i % len(servers) for i in range(len(stages))}
+        holdings = {i: frozenset({s}) for i, s in enumerate(stages)}
+        if variant == "quart-inferline":
+            policy = q.InferlineLike({model: stages}, {model: grid}, cost, servers, placement, mb, slo_s=slo_s,
+                                     planned_rate=planned_rate, hop_s=hop, **kw)
+        else:
+            cache = q.ParameterCache(servers)
+            for i, s in enumerate(stages):
+                cache.insert(placement[i], s, mb[s])
+            policy = q.QuartPolicy({model: stages}, {model: grid}, cost, servers, placement, mb, slo_s=slo_s,
+                                   hop_s=hop, cache=cache, **kw)
+    result = simulate(policy, trace, cost, instances=len(holdings), holdings=holdings, transfer=transfer,
+                      load_time=policy.planned_load_seconds, latency_noise=latency_noise, seed=seed)
+    return result, policy
