@@ -211,3 +211,25 @@ def test_baselines_answer_every_request_once(make):
     counts = r.outcome_counts()
     assert counts["ok"] == len(r)
     assert np.all(r.finish >= r.arrival)
+
+
+@pytest.mark.parametrize("variant", ["quart", "quart-infless", "quart-inferline", "quart-cocktail"])
+def test_simulate_quart_variants_from_a_whole_model_profile(variant):
+    from jaxserve.launch import simulate_quart
+
+    cost = CostModel({"minilm-l6": LatencyProfile("minilm-l6", {Cell(b, 64): 0.01 * b for b in (1, 2, 4)})})
+    rng = np.random.default_rng(2)
+    trace = make_trace(np.sort(rng.uniform(0, 20, 1500)), model="minilm-l6", length=64)
+    result, policy = simulate_quart(variant, cost, "minilm-l6", trace, workers=16, slo_s=0.04, planned_rate=75.0)
+    assert result.outcome_counts()["ok"] == len(trace)  # no deadline: every request answered, once
+    stages = policy.stages
+    assert len(stages) == (1 if variant in ("quart-infless", "quart-cocktail") else 6)
+    assert max(sum(r) for _, r in policy.replica_log) <= 16
+
+
+def test_serve_refuses_quart_with_the_reason():
+    from jaxserve.launch import QUART_NOT_LIVE, ServeSettings, make_policy
+
+    with pytest.raises(ValueError, match="simulation only"):
+        make_policy(ServeSettings(policy="quart"), {}, CostModel({}))
+    assert "issue 20" in QUART_NOT_LIVE
