@@ -196,11 +196,14 @@ class CvPropagation:
     gives their squared CV as ``1 + (1 - rho^2)(ca^2 - 1) + rho^2 (cs^2 - 1) / sqrt(c)``; we
     fit ``cv_out^2 = w0 + w1 (1 - rho^2) ca^2 + w2 rho^2 / sqrt(c)`` by least squares
     (:meth:`fit`), because batching (departures come in batches) and the finite windows CV is
-    measured on bend the equation. The default coefficients were fitted by
-    ``python -m bench.quart_sim --fit`` on simulated runs of an 8-stage BERT-base pipeline
-    (bench/profiles/bert-base-cpu.json cut evenly, batch sizes 1/2/4, sequence 128),
-    one replica per stage, gamma arrivals with CV 0.1-8 at utilisations 0.3-0.9
-    (bench/RESULTS.md, section quart_cv). The paper fits a graph-attention model instead."""
+    measured on bend the equation. The defaults are QNA's own form for one replica with a
+    service CV of 0.5 (``w0 = 0, w1 = 1, w2 = cs^2 = 0.25``: for ``c = 1`` the constants cancel).
+    ``python -m bench.quart_sim`` fits the weights on simulated runs of our 8-stage BERT-base
+    pipeline (bench/profiles/bert-base-cpu.json cut evenly, batch sizes 1/2/4, sequence 128,
+    one replica per stage, no scaling; gamma arrivals with CV 0.1-8 at 30-90% of the slowest
+    stage's capacity), hands the fit to QUART, and reports its coefficients and error in
+    bench/RESULTS.md (section quart_sim). The paper fits a graph-attention model instead.
+    """
 
     w0: float = 0.0
     w1: float = 1.0
