@@ -7,8 +7,8 @@ profile (bench/profiles/bert-base-cpu.json, sequence bucket 128, batch 1/2/4). B
 layers are identical, so each layer costs 1/12 of the whole model's step (embeddings and
 pooler are not profiled apart: assumed inside the layers' share); :func:`cut_stages` cuts them
 into 8 stages (four of 2 layers, four of 1: the 2-layer stages are the slow ones). Parameters
-per stage: 28.3 MB per layer (BERT-base's 85 M encoder parameters, float32), plus 95 MB of
-embeddings on the first; the whole model 440 MB. Activations move between stages at the
+per stage (:func:`jaxserve.launch.quart_stage_megabytes`, float32): 28.4 MB per layer, plus
+95 MB of embeddings on the first; the whole model 436 MB. Activations move between stages at the
 Ray hop bench/workers.py measured (bench/profiles/ray-transfer.json) with
 ``batch x 128 x 768`` float32 hidden states. Load times: :class:`jaxserve.sched.quart.LoadModel`
 (its docstring: object store 12 ms / 92 MB, page-cache pickle 85 ms / 92 MB, cold disk
@@ -47,7 +47,7 @@ from __future__ import annotations
 MEASURES = (
     "bench/quart_sim.py", "jaxserve/sched/quart.py", "jaxserve/sched/pipeline.py", "jaxserve/simulator.py",
     "jaxserve/sched/base.py", "jaxserve/traces.py", "bench/profiles/bert-base-cpu.json",
-    "bench/profiles/ray-transfer.json",
+    "bench/profiles/ray-transfer.json", "jaxserve/launch.py",
 )
 SECTIONS = {"quart_sim": "--write"}
 
@@ -61,13 +61,14 @@ import numpy as np
 from bench.common import PLOTS, add_quick, apply_quick, record, save_plot, table
 from jaxserve.sched.base import Cell, CostModel, LatencyProfile, ShapeGrid, Stage
 from jaxserve.sched.quart import (CocktailLike, CpuCompensator, CvPropagation, InferlineLike, InflessLike,
-                                  LoadModel, ParameterCache, QuartPolicy, ScalingPipeline, Server, cut_stages)
+                                  LoadModel, ParameterCache, QuartPolicy, ScalingPipeline, Server, cut_stages,
+                                  stage_cost_model)
 from jaxserve.simulator import Transfer, simulate
 from jaxserve import traces
+from jaxserve.launch import quart_stage_megabytes
 
 BENCH = Path(__file__).resolve().parent
 MODEL, LAYERS, SEQ, HIDDEN = "bert-base", 12, 128, 768
-LAYER_MB, EMBED_MB, WHOLE_MB = 28.3, 95.0, 440.0
 SERVERS = [Server(i, 4, cache_mb=1024 * 1024.0) for i in range(12)]  # the 12 GPU servers
 CVS = (0.1, 1.0, 2.0, 4.0, 8.0)
 SLO_MULTIPLES = (1.0, 1.5, 2.0, 2.5, 3.0)
@@ -75,24 +76,19 @@ POLICIES = ("quart", "infless", "inferline", "cocktail")
 PAPER = {  # §8.2-8.3
     "mean latency vs INFless": "-87.1%", "mean latency vs InferLine": "-70.5%", "mean latency vs Cocktail": "-36.7%",
     "SLO satisfaction at 1.5x": "47.5% (2.19x, 2.37x, 2.09x the baselines)",
+    "mean latency over the CV sweep": "-69.8%, -77.2%, -47.8% (vs INFless, InferLine, Cocktail)",
     "goodput over the CV sweep": "13.5x, 14.4x, 2.3x",
 }
 
 
 def setup():
     raw = CostModel.from_json((BENCH / "profiles" / "bert-base-cpu.json").read_text())
-    whole = raw.latency[MODEL]
-    cells = {c: t for c, t in whole.seconds.items() if c.seq == SEQ}
+    cells = {c: t for c, t in raw.latency[MODEL].seconds.items() if c.seq == SEQ}
     stages = cut_stages(MODEL, [1.0] * LAYERS, 8)
-    lat = {MODEL: LatencyProfile(MODEL, cells)}
-    for s in stages:
-        share = (s.stop - s.start) / LAYERS
-        lat[s.label()] = LatencyProfile(s.label(), {c: t * share for c, t in cells.items()})
-    cost = CostModel(lat, machine=raw.machine)
+    cost = stage_cost_model(CostModel({MODEL: LatencyProfile(MODEL, cells)}, machine=raw.machine), MODEL, stages)
     grid = {MODEL: ShapeGrid(tuple(sorted({c.batch for c in cells})), (SEQ,))}
-    mb = {s: LAYER_MB * (s.stop - s.start) + (EMBED_MB if s.first else 0.0) for s in stages}
+    mb = quart_stage_megabytes(MODEL, stages)
     whole_stage = Stage(MODEL, 0, LAYERS, LAYERS)
-    mb[whole_stage] = WHOLE_MB
     transfer = Transfer.from_profile(BENCH / "profiles" / "ray-transfer.json",
                                      lambda b: b.cell.batch * SEQ * HIDDEN * 4.0)
     t_profile = cells[Cell(1, SEQ)]
