@@ -61,7 +61,8 @@ def run_one(cmd: list[str], env: dict, timeout: float | None) -> int | str:
     """Run one script; its exit status, or "timeout". A script past ``timeout`` gets SIGINT first,
     so its ``finally`` blocks stop the servers it started (they run in their own sessions, out of
     reach of a kill of its process group), then SIGTERM, then SIGKILL."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    marker = f"{os.getpid()}-{time.monotonic_ns()}"
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, MARKER: marker})
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -76,6 +77,39 @@ def run_one(cmd: list[str], env: dict, timeout: float | None) -> int | str:
     except KeyboardInterrupt:  # Ctrl-C reached the script too; let it clean up, then stop here
         proc.wait()
         raise
+    finally:
+        _stop_leftovers(marker)
+
+
+MARKER = "JAXSERVE_BENCH_RUN"
+
+
+def _stop_leftovers(marker: str) -> list[int]:
+    """SIGTERM, then SIGKILL, every process still alive that this run started (found by the
+    ``JAXSERVE_BENCH_RUN`` marker its environment inherited: servers a killed script left in
+    their own sessions); their pids."""
+    pids = []
+    needle = f"{MARKER}={marker}".encode()
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle in (d / "environ").read_bytes().split(b"\0") and int(d.name) != os.getpid():
+                pids.append(int(d.name))
+        except (OSError, ValueError):
+            continue
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            break
+        time.sleep(5)
+    if pids:
+        print(f"bench.all: stopped {len(pids)} process(es) the run left behind: {pids}", flush=True)
+    return pids
 
 
 def _names(text: str | None) -> set[str]:

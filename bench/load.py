@@ -185,7 +185,11 @@ def start(cmd: list[str], url: str, log: str | None = None, wait: bool = True) -
     if log:
         out.close()  # the child holds its own copy
     if wait:
-        wait_ready(url, proc=proc)
+        try:
+            wait_ready(url, proc=proc)
+        except BaseException:  # not ready (or interrupted): nobody else holds a handle to stop it
+            stop(proc)
+            raise
     return proc
 
 
