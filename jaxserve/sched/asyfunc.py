@@ -51,8 +51,11 @@ Decisions the paper leaves open, or where we differ (each is a knob or a line be
 * **LLS pairing.** Bodies are paired "earliest idle first" (the paper's text; its Alg. 2 says
   descending). A shadow is placed on its body's node only (Alg. 2 line 4): ``c = min(c_a,
   c_max // 2)`` cores when ``c_a ≥ max(1, c_max / 4)``. Live shadows are capped at ``kappa``.
+* **Useless pairs.** Alg. 2 provisions the most efficient Φ whatever it buys; we provision a
+  shadow only where the pair's Eq.-1 rate (max b / t over splits meeting the SLO) exceeds the
+  body's alone, the purpose §4.3 states ("increase the maximum supported batch size").
 * **Release.** "When the burst passes": a shadow is released once the queue is below
-  ``gamma`` and the shadow has done nothing for ``shadow_idle_s``, smallest η first.
+  ``gamma`` and the shadow has done nothing for ``shadow_idle_s`` (5 s), smallest η first.
 * **Container pool.** A shadow starts from the node's warm empty worker, so it is ready after
   the block's load (``SplitOption.load_s``); a new body pays ``body_load_s`` (container start
   and the whole model). The pool's own reserved resources are not counted.
@@ -95,7 +98,7 @@ class AsyFuncKnobs:
     b_max: int = 4
     nodes: int = 30
     node_cores: int = 4
-    shadow_idle_s: float = 1.0
+    shadow_idle_s: float = 5.0
     min_bodies: int = 1
     max_queue: int = 100_000
 
@@ -130,6 +133,7 @@ class AsyFuncModel:
     row_bytes: float = 0.0
     transfer_hop_s: float = 0.0
     transfer_bytes_per_s: float = _INF
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)  # (stage, cores, rows) -> seconds
 
     @property
     def whole(self) -> Stage:
@@ -155,10 +159,14 @@ class AsyFuncModel:
         """Compute seconds of ``rows`` rows of ``stage`` (None: the whole model) at ``cores``."""
         if rows <= 0:
             return 0.0
-        profiles = self.latency[cores].latency
-        name = self.name if stage is None or stage.whole else stage.label()
-        cell = self.cell(rows)
-        return float(profiles[name].latency_for(cell.batch, cell.seq, cell.gamma))
+        key = (stage, cores, rows)
+        t = self._memo.get(key)
+        if t is None:
+            profiles = self.latency[cores].latency
+            name = self.name if stage is None or stage.whole else stage.label()
+            cell = self.cell(rows)
+            t = self._memo[key] = float(profiles[name].latency_for(cell.batch, cell.seq, cell.gamma))
+        return t
 
     def transfer_s(self, rows: int) -> float:
         return self.transfer_hop_s + rows * self.row_bytes / self.transfer_bytes_per_s if rows else 0.0
@@ -344,6 +352,15 @@ class AsyFuncPolicy(Policy):
         self._max_rps = {c: self._max_rps_of(c) for c in range(1, knobs.c_max + 1)}
         self._added = set(self._inst)  # workers that exist (the initial bodies) or whose add was planned
         self._batch_wait = max(0.0, knobs.slo_s - model.seconds(None, knobs.c_max, knobs.b_max))
+        self._t1 = min(model.seconds(None, c, 1) for c in range(1, knobs.c_max + 1))  # fastest lone request
+        self._split_memo: dict[tuple, tuple[int, float]] = {}
+
+    def _best_split(self, split: SplitOption, body_cores: int, shadow_cores: int, b: int) -> tuple[int, float]:
+        key = (split, body_cores, shadow_cores, b)
+        out = self._split_memo.get(key)
+        if out is None:
+            out = self._split_memo[key] = self.model.best_split(split, body_cores, shadow_cores, b)
+        return out
 
     # -- instances and accounting ----------------------------------------------------
     def _new(self, node: int, cores: int, kind: str, now: float, loads: list, node_checked: bool = True,
@@ -458,10 +475,15 @@ class AsyFuncPolicy(Policy):
                 continue
             c = min(c_a, max(1, knobs.c_max // 2))
             best = None
+            alone = self._max_rps[x.cores]
             for split in model.splits:  # contiguous blocks, growing, in sensitivity order
                 mem = (model.body_bytes + split.bytes) / model.body_bytes
+                paired = max((b / self._best_split(split, x.cores, c, b)[1] for b in range(2, knobs.b_max + 1)
+                              if self._best_split(split, x.cores, c, b)[1] <= knobs.slo_s), default=0.0)
+                if paired <= alone:
+                    continue  # the pair would not raise the body's rate (module docstring)
                 for b in range(knobs.b_max, 1, -1):
-                    _, t = model.best_split(split, x.cores, c, b)
+                    _, t = self._best_split(split, x.cores, c, b)
                     if split.load_s + t <= knobs.slo_s:
                         eta = _eta(b, t, x.cores + c, mem * self.rho_m)
                         if best is None or eta > best[0]:
@@ -589,8 +611,7 @@ class AsyFuncPolicy(Policy):
         else:
             self._dispatch_adaptive(now, idle & known, batches, evict)
         if self._queue:
-            t1 = min(self.model.seconds(None, c, 1) for c in range(1, self.knobs.c_max + 1))
-            wake = min(wake, math.nextafter(self._queue[0].deadline - t1, _INF))
+            wake = min(wake, math.nextafter(self._queue[0].deadline - self._t1, _INF))
         if wake <= now:
             wake = math.nextafter(now, _INF)
         return Plan(tuple(batches), tuple(evict), wake, placement=tuple(placement))
@@ -613,11 +634,11 @@ class AsyFuncPolicy(Policy):
         s = self._pair_of(x, idle)
         if s is None or b < 2:
             return t, b
-        b_body, t_split = self.model.best_split(s.split, x.cores, s.cores, b)
+        b_body, t_split = self._best_split(s.split, x.cores, s.cores, b)
         return (t_split, b_body) if t_split < t else (t, b)
 
     def _evict_hopeless(self, now: float, evict: list[int]) -> None:
-        t1 = min(self.model.seconds(None, c, 1) for c in range(1, self.knobs.c_max + 1))
+        t1 = self._t1
         while self._queue and now + t1 > self._queue[0].deadline:
             evict.append(self._queue.popleft().id)
 

@@ -105,30 +105,51 @@ def test_mls_scales_out_above_alpha_in_below_beta_and_holds_between():
     assert any(d[1] == "remove_body" for d in policy.decisions)
 
 
+FAST_SHADOW = {1: costs(1.2), 2: costs(1.0)}  # a second core buys little: a 1-core shadow pays off
+
+
+def test_a_shadow_is_only_provisioned_where_the_pair_raises_the_body_s_rate():
+    # with 1-core times 1.8x the 2-core ones, a 2-core body alone does 4 / 0.28 = 14.3 rps and
+    # paired with a 1-core shadow at best 4 / 0.286: no shadow, however long the queue
+    policy = AsyFuncPolicy(model(), knobs(slo_s=1.0), (BodySpec(0, 0, 2),))
+    for rid in range(6):
+        policy.on_arrival(Request(rid, 0.0, "m", deadline=1.0), 0.0)
+    policy.plan(0.0, [])
+    assert policy.shadows() == []
+    policy = AsyFuncPolicy(model(latency=FAST_SHADOW), knobs(slo_s=1.0), (BodySpec(0, 0, 2),))
+    for rid in range(6):
+        policy.on_arrival(Request(rid, 0.0, "m", deadline=1.0), 0.0)
+    policy.plan(0.0, [])
+    assert len(policy.shadows()) == 1  # 4 / 0.226 = 17.7 rps paired
+
+
 def test_a_burst_pairs_shadows_with_the_bodies_that_become_idle_earliest():
-    k = knobs(kappa=1, slo_s=1.0)
-    policy = AsyFuncPolicy(model(), k, (BodySpec(0, 0, 1), BodySpec(1, 1, 2), BodySpec(2, 2, 2)))
-    # one request at a time, each dispatched at once to the smallest idle body (Alg. 3): r0 on the
-    # 1-core body 0 (busy until 0.18), r1 on body 1 (0.05 -> 0.15), r2 on body 2 (0.06 -> 0.16)
-    for rid, t in enumerate((0.0, 0.05, 0.06)):
+    k = knobs(kappa=1, gamma=3, slo_s=1.0)
+    policy = AsyFuncPolicy(model(latency=FAST_SHADOW), k, (BodySpec(0, 0, 2), BodySpec(1, 1, 2), BodySpec(2, 2, 2)))
+    # r0 and r1 together on body 0 (busy until 0.16), then r2 alone on body 1 (0.01 -> 0.11) and r3
+    # on body 2 (0.02 -> 0.12): each dispatched at once to the smallest idle body (Alg. 3)
+    for rid in (0, 1):
+        policy.on_arrival(Request(rid, 0.0, "m", deadline=1.0), 0.0)
+    assert [(b.instance, b.request_ids) for b in policy.plan(0.0, [0, 1, 2]).batches] == [(0, (0, 1))]
+    for rid, t in ((2, 0.01), (3, 0.02)):
         policy.on_arrival(Request(rid, t, "m", deadline=t + 1.0), t)
-        plan = policy.plan(t, [w for w in (0, 1, 2) if w >= rid])
-        assert [(b.instance, b.request_ids) for b in plan.batches] == [(rid, (rid,))]
+        plan = policy.plan(t, [w for w in (1, 2) if w >= rid - 1])
+        assert [(b.instance, b.request_ids) for b in plan.batches] == [(rid - 1, (rid,))]
     assert policy.shadows() == []  # the queue never reached gamma
-    for rid in (3, 4):  # a queue of gamma = 2 with every body busy
-        policy.on_arrival(Request(rid, 0.07, "m", deadline=1.07), 0.07)
-    plan = policy.plan(0.07, [])
+    for rid in (4, 5, 6):  # a queue of gamma = 3 with every body busy
+        policy.on_arrival(Request(rid, 0.03, "m", deadline=1.03), 0.03)
+    plan = policy.plan(0.03, [])
     shadows = policy.shadows()
     assert len(shadows) == 1  # kappa
     assert shadows[0].partner == 1 and shadows[0].node == 1  # the earliest idle body, on its node
     assert shadows[0].cores == 1  # min(free 2, c_max // 2)
     assert [(c.action, c.worker) for c in plan.placement] == [("add_worker", shadows[0].id)]
-    plan = policy.plan(0.07, [shadows[0].id])  # the worker is up: it loads the block only
+    plan = policy.plan(0.03, [shadows[0].id])  # the worker is up: it loads the block only
     assert [(c.action, c.worker, c.stage) for c in plan.placement] == [("load", shadows[0].id, BLOCK)]
 
 
 def test_split_batches_answer_every_row_exactly_once_and_shadows_go_after_the_burst():
-    m = model()
+    m = model(latency=FAST_SHADOW)
     k = knobs(slo_s=1.0, shadow_idle_s=0.5)
     steps: dict[int, list] = {}
 
