@@ -401,7 +401,7 @@ def _simulate_asyfunc(args) -> int:
                                   shadow_start_s=ASYFUNC_SHADOW_START_S)
     except KeyError as exc:
         raise CliError(str(exc.args[0])) from None
-    slo = args.slo_ms / 1e3 if args.slo_ms else 2 * model.seconds(None, 2, 4)  # the paper's rule, x2
+    slo = args.slo_ms / 1e3 if args.slo_ms else 3 * model.seconds(None, 2, 4)  # as bench.asyfunc_sim
     knobs = AsyFuncKnobs(slo_s=slo, c_max=max(model.latency), b_max=min(4, model.grid.max_batch))
     arrivals = _arrivals(args)
     trace = traces.make_trace(arrivals, model=name, length=np.full(len(arrivals), model.seq), slo_s=slo)

@@ -446,10 +446,12 @@ ASYFUNC_NOT_LIVE = ("--policy asyfunc (and asyfunc-nolls, asyfunc-batch) runs in
 
 # What a new AsyFunc body and a shadow pay besides their parameters' load, in simulation: a body
 # starts a worker process and loads a warm grid from serialized executables (3.8 s measured for
-# MiniLM's, bench/RESULTS.md coldstart); a shadow starts from a node's warm worker and loads its
-# block's 4 cells (1.81 s / 54 cells each, same measurement).
+# MiniLM's, bench/RESULTS.md coldstart). A shadow starts from a node's warm pool worker, which
+# keeps the candidate blocks' executables loaded: weights are arguments of our executables, so
+# that code serves any checkpoint and holds no parameters (loading them on demand would add 4
+# cells x 34 ms, same measurement, more than most of our SLOs). It loads only its parameters.
 ASYFUNC_BODY_START_S = 3.8
-ASYFUNC_SHADOW_START_S = 4 * 1.81 / 54
+ASYFUNC_SHADOW_START_S = 0.0
 
 
 def simulate_asyfunc(variant: str, model, knobs, trace, *, initial_rate: float, latency_noise: float = 0.0,
