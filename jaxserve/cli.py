@@ -410,8 +410,15 @@ def _simulate_asyfunc(args) -> int:
                                       latency_noise=args.latency_noise, seed=args.seed)
     end = float(np.nanmax(result.finish))
     core_s, byte_s = policy.ledger.usage(0.0, end)
-    summary = {k: v for k, v in result.summary().items()}
-    summary.update(slo_s=slo, mean_cores=core_s / end, mean_param_mb=byte_s / end / 1e6,
+    summary = {}
+    for key, value in result.summary().items():  # every figure names its unit, as cmd_simulate's
+        if key in ("mean_latency", "p50", "p98", "p99"):
+            summary[f"{key}_ms"] = value * 1e3
+        elif key in ("throughput", "goodput"):
+            summary[f"{key}_per_s"] = value
+        else:
+            summary[key] = value
+    summary.update(slo_ms=slo * 1e3, mean_cores=core_s / end, mean_param_mb=byte_s / end / 1e6,
                    shadows_started=sum(d[1] == "add_shadow" for d in policy.decisions),
                    bodies_started=sum(d[1] == "add_body" for d in policy.decisions), split_batches=policy.splits_done,
                    wall_seconds=time.perf_counter() - t0)
