@@ -460,3 +460,29 @@ def test_warmup_fills_the_stages_workers_will_load(tmp_path):
     bad = run("warmup", *flags, "--stages", "9")
     assert bad.returncode != 0 and "--stages" in bad.stderr and "outside (0, 4)" in bad.stderr
     assert run("warmup", *flags, "--stages", "3,2").returncode == 2  # a usage error, before any work
+
+
+def test_asyfunc_runs_in_simulation_and_serve_refuses_it(tmp_path, capsys):
+    """simulate --policy asyfunc* plans with the layer profile next to --cost-model (the bench's,
+    committed); serve --policy asyfunc* says it is simulation only, before any warmup."""
+    from jaxserve.cli import main
+    from jaxserve.compile_cache import compile_count
+
+    before = compile_count()
+    assert main(["serve", "--policy", "asyfunc"]) == 2
+    err = capsys.readouterr().err
+    assert "runs in simulation only" in err and "issue 21" in err, err
+    assert compile_count() == before
+    cost = ROOT / "bench" / "profiles" / "asyfunc-cost.json"
+    for policy in ("asyfunc", "asyfunc-nolls", "asyfunc-batch"):
+        out = run("simulate", "--cost-model", str(cost), "--policy", policy, "--sim-model", "minilm-l6",
+                  "--requests", "1500", "--rate", "150", "--trace", "mmpp")
+        assert out.returncode == 0, out.stderr[-2000:]
+        summary = json.loads(out.stdout)
+        assert sum(summary[k] for k in ("ok", "late", "evicted", "rejected")) == 1500, summary
+        assert summary["mean_cores"] >= 2 and summary["mean_param_mb"] > 80, summary  # at least one MiniLM body
+        if policy != "asyfunc":  # the baselines never scale at the layer level
+            assert summary["shadows_started"] == 0 and summary["split_batches"] == 0, summary
+    (tmp_path / "cost.json").write_text(cost.read_text())  # no layer file beside it
+    out = run("simulate", "--cost-model", str(tmp_path / "cost.json"), "--policy", "asyfunc")
+    assert out.returncode == 2 and "profile --layers" in out.stderr, out.stderr[-2000:]
