@@ -252,6 +252,19 @@ def profile_candidates(task: str, chains: Iterable[Sequence[str]], data: Mapping
     return out
 
 
+def pareto(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates no other one beats on both accuracy and cost (ties kept once, by name),
+    plus every single model (the baselines choose among those). :func:`select` always picks
+    from this set, so a profile keeps only it."""
+    out, best = [], -math.inf
+    for c in sorted(candidates, key=lambda c: (c.cost, -c.accuracy, c.name())):
+        if c.accuracy > best:
+            out.append(c)
+            best = c.accuracy
+    singles = [c for c in candidates if len(c.levels) == 1 and c not in out]
+    return out + singles
+
+
 def select(candidates: Sequence[Candidate], target_accuracy: float, max_cost: float = math.inf) -> Candidate:
     """The cheapest candidate meeting the accuracy target and the latency bound (§5's online
     selection); when none meets the target, the most accurate one within the bound."""

@@ -222,3 +222,21 @@ def test_replay_gives_each_level_its_recorded_outputs_and_the_pruned_lengths():
     plain = Replay(arrays, Candidate("t", ("s", "l"), (0.8,)), items=np.array([1, 0]))
     assert plain(0, Batch((0,), "s", Cell(1, 32))).next_lengths == (("l", 33),)
     assert plain(0, Batch((0,), "l", Cell(1, 32))).probabilities == (0.3, 0.7)
+
+
+def test_the_pareto_set_keeps_every_choice_selection_can_make():
+    from jaxserve.sched.tabi import pareto
+
+    data, labels = _synthetic()
+    cands = profile_candidates("t", [("s",), ("l",), ("s", "l")], data, labels)
+    front = pareto(cands)
+    assert len(front) < len(cands)
+    for target in np.linspace(0.6, 1.0, 41):
+        for bound in (math.inf, 5.0, 2.0):
+            try:
+                expect = select(cands, target, bound)
+            except ValueError:
+                continue
+            got = select(front, target, bound)
+            assert (got.accuracy, got.cost) == (expect.accuracy, expect.cost)
+    assert {c.levels for c in front if len(c.levels) == 1} == {("s",), ("l",)}
