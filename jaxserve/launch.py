@@ -490,7 +490,7 @@ def simulate_cascade(policy: str, task: str, arrivals, *, seed: int = 0, instanc
                      slo_ms: float | None = None, target_accuracy: float | None = None,
                      profile_path: Path | None = None, latency_noise: float = 0.0) -> dict:
     """A cascade policy (``tabi`` or a baseline) on ``task``, simulated on ``arrivals``: each
-    request a test item drawn at random (seeded), each step's outputs replayed from the real
+    request a test item (every item equally often, in a seeded order), each step's outputs replayed from the real
     ones (``jaxserve.sched.tabi.Replay``), priced by the profile's batch-1 bucket latencies.
     Returns the simulator's summary plus the answers' accuracy, the share of requests that
     return at each level and the share of tokens pruned."""
@@ -511,7 +511,9 @@ def simulate_cascade(policy: str, task: str, arrivals, *, seed: int = 0, instanc
     replay_file = registry.ASSETS / "cascade" / f"{task}-replay.npz"
     with np.load(replay_file) as z:
         n_items = len(z["labels"])
-    items = np.random.default_rng(seed).integers(0, n_items, len(arrivals))
+    # every test item equally often (a shuffled tiling), so accuracy is the test split's, not a resample's
+    items = np.random.default_rng(seed).permutation(np.tile(np.arange(n_items), -(-len(arrivals) // n_items)))
+    items = items[: len(arrivals)]
     replay = Replay.load(replay_file, cand, items)
     cost = cascade_cost_model(raw, cand.levels)
     grids = {m: ShapeGrid((1,), tuple(sorted(c.seq for c in cost.latency[m].cells()))) for m in cand.levels}
