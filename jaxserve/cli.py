@@ -410,14 +410,7 @@ def _simulate_asyfunc(args) -> int:
                                       latency_noise=args.latency_noise, seed=args.seed)
     end = float(np.nanmax(result.finish))
     core_s, byte_s = policy.ledger.usage(0.0, end)
-    summary = {}
-    for key, value in result.summary().items():  # every figure names its unit, as cmd_simulate's
-        if key in ("mean_latency", "p50", "p98", "p99"):
-            summary[f"{key}_ms"] = value * 1e3
-        elif key in ("throughput", "goodput"):
-            summary[f"{key}_per_s"] = value
-        else:
-            summary[key] = value
+    summary = _with_units(result.summary())
     summary.update(slo_ms=slo * 1e3, mean_cores=core_s / end, mean_param_mb=byte_s / end / 1e6,
                    shadows_started=sum(d[1] == "add_shadow" for d in policy.decisions),
                    bodies_started=sum(d[1] == "add_body" for d in policy.decisions), split_batches=policy.splits_done,
@@ -448,6 +441,19 @@ def _staircase(args) -> int:
         print(f"{length:6d}  {s * 1e3:.2f}{'  <- bucket' if length in buckets else ''}")
     print(f"buckets: {buckets}  -> {out}")
     return 0
+
+
+def _with_units(summary: dict) -> dict:
+    """A simulation summary whose every figure names its unit (latencies in ms, rates per s)."""
+    out = {}
+    for key, value in summary.items():
+        if key in ("mean_latency", "p50", "p98", "p99"):
+            out[f"{key}_ms"] = value * 1e3
+        elif key in ("throughput", "goodput"):
+            out[f"{key}_per_s"] = value
+        else:
+            out[key] = value
+    return out
 
 
 def _arrivals(args) -> np.ndarray:
@@ -515,14 +521,7 @@ def cmd_simulate(args) -> int:
                       batch_overhead=args.batch_overhead_ms / 1e3, seed=args.seed,
                       client_timeout=args.client_timeout_ms / 1e3 if args.client_timeout_ms else math.inf)
     wall = time.perf_counter() - t0
-    summary = {}
-    for key, value in result.summary().items():  # every figure names its unit
-        if key in ("mean_latency", "p50", "p98", "p99"):
-            summary[f"{key}_ms"] = value * 1e3
-        elif key in ("throughput", "goodput"):
-            summary[f"{key}_per_s"] = value
-        else:
-            summary[key] = value
+    summary = _with_units(result.summary())
     summary["wall_seconds"] = wall
     summary["simulated_requests_per_minute"] = len(trace) / wall * 60
     print(json.dumps(summary, indent=1, default=float))

@@ -89,36 +89,19 @@ class BertConfig:
     def from_hf(cls, config: dict) -> "BertConfig":
         if config.get("hidden_act", "gelu") != "gelu":
             raise ValueError(f"unsupported hidden_act {config['hidden_act']!r}; only exact 'gelu'")
+        shape = dict(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
+                     num_layers=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
+                     intermediate_size=config["intermediate_size"], max_position=config["max_position_embeddings"],
+                     layer_norm_eps=config.get("layer_norm_eps", 1e-12))
         if config.get("model_type") == "mpnet":
             if config.get("relative_attention_num_buckets", 32) != 32:
                 # HF's MPNetEncoder.compute_position_bias buckets into 32 whatever the config says
                 raise ValueError("only 32 relative attention buckets are supported (as HF computes them)")
-            return cls(
-                vocab_size=config["vocab_size"],
-                hidden_size=config["hidden_size"],
-                num_layers=config["num_hidden_layers"],
-                num_heads=config["num_attention_heads"],
-                intermediate_size=config["intermediate_size"],
-                max_position=config["max_position_embeddings"],
-                type_vocab_size=0,
-                layer_norm_eps=config.get("layer_norm_eps", 1e-12),
-                pad_token_id=config.get("pad_token_id", 1),
-                family="mpnet",
-                relative_attention_num_buckets=config.get("relative_attention_num_buckets", 32),
-            )
+            return cls(**shape, type_vocab_size=0, pad_token_id=config.get("pad_token_id", 1), family="mpnet",
+                       relative_attention_num_buckets=config.get("relative_attention_num_buckets", 32))
         if config.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError("only absolute position embeddings are supported")
-        return cls(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=config["num_attention_heads"],
-            intermediate_size=config["intermediate_size"],
-            max_position=config["max_position_embeddings"],
-            type_vocab_size=config.get("type_vocab_size", 2),
-            layer_norm_eps=config.get("layer_norm_eps", 1e-12),
-            pad_token_id=config.get("pad_token_id", 0),
-        )
+        return cls(**shape, type_vocab_size=config.get("type_vocab_size", 2), pad_token_id=config.get("pad_token_id", 0))
 
 
 BERT_CONFIGS: dict[str, BertConfig] = {
