@@ -85,6 +85,19 @@ class BertConfig:
         blob = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
+    def to_hf(self) -> dict:
+        """The HF config.json of this model (``BertModel`` or ``MPNetModel``): the fields
+        :meth:`from_hf` reads back into an equal config."""
+        hf = {"hidden_act": "gelu", "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+              "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+              "intermediate_size": self.intermediate_size, "max_position_embeddings": self.max_position,
+              "layer_norm_eps": self.layer_norm_eps, "pad_token_id": self.pad_token_id}
+        if self.family == "mpnet":
+            return {"architectures": ["MPNetModel"], "model_type": "mpnet", **hf,
+                    "relative_attention_num_buckets": self.relative_attention_num_buckets}
+        return {"architectures": ["BertModel"], "model_type": "bert", **hf, "type_vocab_size": self.type_vocab_size,
+                "position_embedding_type": "absolute"}
+
     @classmethod
     def from_hf(cls, config: dict) -> "BertConfig":
         if config.get("hidden_act", "gelu") != "gelu":
@@ -455,23 +468,4 @@ def export_hf_bert(model: Bert, out_dir: str | Path) -> None:
         for name, part in zip(names, parts):
             tensors[name] = np.ascontiguousarray(part.T if ours.endswith("/kernel") else part)
     save_file(tensors, str(out_dir / "model.safetensors"))
-    if cfg.family == "mpnet":
-        hf = {
-            "architectures": ["MPNetModel"], "model_type": "mpnet", "hidden_act": "gelu",
-            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-            "intermediate_size": cfg.intermediate_size, "max_position_embeddings": cfg.max_position,
-            "layer_norm_eps": cfg.layer_norm_eps, "pad_token_id": cfg.pad_token_id,
-            "relative_attention_num_buckets": cfg.relative_attention_num_buckets,
-        }
-        (out_dir / "config.json").write_text(json.dumps(hf, indent=1))
-        return
-    hf = {
-        "architectures": ["BertModel"], "model_type": "bert", "hidden_act": "gelu",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "intermediate_size": cfg.intermediate_size, "max_position_embeddings": cfg.max_position,
-        "type_vocab_size": cfg.type_vocab_size, "layer_norm_eps": cfg.layer_norm_eps,
-        "pad_token_id": cfg.pad_token_id, "position_embedding_type": "absolute",
-    }
-    (out_dir / "config.json").write_text(json.dumps(hf, indent=1))
+    (out_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))

@@ -289,18 +289,6 @@ def convert_onnx_bert(path, expected: BertConfig, prefix: str = "") -> dict[str,
     return {k: np.ascontiguousarray(v, np.float32) for k, v in state.items()}
 
 
-def _hf_config(cfg: BertConfig) -> dict:
-    """HF config.json of a BertModel (the fields ``BertConfig.from_hf`` reads)."""
-    return {
-        "architectures": ["BertModel"], "model_type": "bert", "hidden_act": "gelu",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "intermediate_size": cfg.intermediate_size, "max_position_embeddings": cfg.max_position,
-        "type_vocab_size": cfg.type_vocab_size, "layer_norm_eps": cfg.layer_norm_eps,
-        "pad_token_id": cfg.pad_token_id, "position_embedding_type": "absolute",
-    }
-
-
 def converted_dir(source: OnnxBert, progress: bool = False) -> Path:
     """The HF-format directory (model.safetensors + config.json) of ``source``, converted on first
     use (a few seconds; needs ``onnx``) into ``registry.weights_dir() / source.name``, named by the
@@ -316,7 +304,7 @@ def converted_dir(source: OnnxBert, progress: bool = False) -> Path:
         state = convert_onnx_bert(path, source.config, source.prefix)
         out.mkdir(mode=0o700)
         save_file(state, str(out / "model.safetensors"))
-        config = _hf_config(source.config) | {"jaxserve_converted_from": f"{source.requirement}:{source.member}",
+        config = source.config.to_hf() | {"jaxserve_converted_from": f"{source.requirement}:{source.member}",
                                                "jaxserve_converter_version": CONVERTER_VERSION}
         (out / "config.json").write_text(json.dumps(config, indent=1))
 
