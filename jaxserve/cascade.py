@@ -26,7 +26,6 @@ prunes the text for the next models (:func:`next_inputs`):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable, Sequence
 
 import numpy as np
@@ -103,13 +102,25 @@ def next_inputs(payload: CascadeText, importance: np.ndarray | None, tokenizer, 
     return out, pruned
 
 
-@lru_cache(maxsize=None)
-def tokenizer_for(model: str):
-    """The TextTokenizer of a registered text model (jaxserve.registry.text_tokenizer_path)."""
-    from jaxserve import registry
-    from jaxserve.models.tokenizer import TextTokenizer
+_TOKENIZERS: dict[str, object] = {}
 
-    return TextTokenizer(registry.text_tokenizer_path(model))
+
+def register_tokenizer(model: str, tokenizer) -> None:
+    """Make ``tokenizer`` the one :func:`tokenizer_for` gives for ``model`` (a loaded runtime
+    registers its own, so a cascade's next-level tokenizer is never loaded while a request waits)."""
+    _TOKENIZERS[model] = tokenizer
+
+
+def tokenizer_for(model: str):
+    """The TextTokenizer of a registered text model: the one its loaded runtime registered, else
+    read once from ``jaxserve.registry.text_tokenizer_path``."""
+    tok = _TOKENIZERS.get(model)
+    if tok is None:
+        from jaxserve import registry
+        from jaxserve.models.tokenizer import TextTokenizer
+
+        tok = _TOKENIZERS[model] = TextTokenizer(registry.text_tokenizer_path(model))
+    return tok
 
 
 def truncated_text(tokenizer, text: str, max_tokens: int) -> tuple[str, list[int]]:

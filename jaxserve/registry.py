@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxserve.cascade import register_tokenizer
 from jaxserve.models.bert import BertConfig, load_hf_bert
 from jaxserve.models.tokenizer import TextTokenizer
 from jaxserve.models.vit import load_vit_checkpoint
@@ -233,9 +234,10 @@ def load_text_runtime(name: str = "minilm-l6", cache=None, grid: ShapeGrid | Non
         return heads, None, None
 
     heads, _, _ = read_assets()
+    tokenizer = TextTokenizer(tokenizer_json)
+    register_tokenizer(name, tokenizer)  # a cascade level before this model tokenizes with it (jaxserve.cascade)
     return TextRuntime(name, table, weights_of(model, precision), heads, num_layers=cfg.num_layers,
-                       read_assets=read_assets, tokenizer=TextTokenizer(tokenizer_json),
-                       embedding_dim=cfg.hidden_size)
+                       read_assets=read_assets, tokenizer=tokenizer, embedding_dim=cfg.hidden_size)
 
 
 def vit_demo_dir() -> Path:

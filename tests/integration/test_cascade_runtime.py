@@ -50,6 +50,7 @@ def test_a_cascade_level_runtime_prunes_the_next_input_from_its_executable(tmp_p
     rt = load_text_runtime("minilm-l3", cache=None, grid=grid, importance=True, tune=False,
                            heads_dir=tmp_path)  # no heads: embeddings only
     assert "-importance" in rt.table.servable.config_hash
+    assert tokenizer_for("minilm-l3") is rt.tokenizer  # registered: never loaded while a request waits
     tok = rt.tokenizer
     payloads = [CascadeText(t, tuple(tok.encode([t])[0]), 1.0, ("minilm-l6",), (64,)) for t in TEXTS]
     out = rt.execute(Cell(2, 32), payloads, ["", ""])
