@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from jaxserve.sched.base import (Batch, CostModel, LatencyProfile, PlacementChange, Plan, Request, ShapeGrid, Stage, StepSummary,
@@ -868,6 +868,18 @@ class QuartPolicy(ScalingPipeline):
             self.cache.insert(server, stage, self.stage_mb[stage])
 
 
+def _keep_alive_target(high_since: dict, keep_alive: float, now: float, stage: Stage, replicas: int,
+                       need: int) -> int:
+    """The baselines' scaling rule: up to ``need`` at once; down one replica per period only after
+    the demand has stayed below the current count for ``keep_alive`` seconds."""
+    if need >= replicas:
+        high_since[stage] = now
+        return need
+    if now - high_since.get(stage, -math.inf) >= keep_alive:
+        return replicas - 1
+    return replicas
+
+
 class InflessLike(ScalingPipeline):
     """Our reading of INFless (ASPLOS'22) as the QUART paper uses it: whole-model replicas
     (one stage per model), autoscaled on QPS: every period ``ceil(λ / (util * μ_max))``
@@ -894,13 +906,7 @@ class InflessLike(ScalingPipeline):
             r = self.replicas(s)
             mu = self.profiled_rate(s, self.grids[s.model].max_batch)
             need = max(1, math.ceil(self.demand(now, s, rates[s]) / (self.util * mu) - 1e-9))
-            if need >= r:
-                self._high_since[s] = now
-                want[s] = need
-            elif now - self._high_since.get(s, -math.inf) >= self.keep_alive:
-                want[s] = r - 1
-            else:
-                want[s] = r
+            want[s] = _keep_alive_target(self._high_since, self.keep_alive, now, s, r, need)
         return want
 
 
@@ -964,13 +970,7 @@ class InferlineLike(ScalingPipeline):
             r = self.replicas(s)
             need = max(self.planned[s],
                        math.ceil(max(self._recent[s]) / (self.util * self.profiled_rate(s)) - 1e-9))
-            if need >= r:
-                self._high_since[s] = now
-                want[s] = need
-            elif now - self._high_since.get(s, -math.inf) >= self.keep_alive:
-                want[s] = r - 1
-            else:
-                want[s] = r
+            want[s] = _keep_alive_target(self._high_since, self.keep_alive, now, s, r, need)
         return want
 
 
