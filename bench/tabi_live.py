@@ -1,8 +1,8 @@
 """Tabi live: `jaxserve serve --policy tabi` against its baselines (tabi-small, tabi-large,
-tabi-infaas) on 127.0.0.1, closed loop at batch 1 as the paper measures (one query at a time, the
+tabi-infaas, tabi-cocktail) on 127.0.0.1, closed loop at batch 1 as the paper measures (one query at a time, the
 next sent when the previous is answered), on each task's held-out test texts.
 
-All four servers warm first (one compile cache, so the models compile once), then the arms are
+All five servers warm first (one compile cache, so the models compile once), then the arms are
 interleaved in rounds: each round sends every arm the same ``--per-round`` test texts of a task,
 arm after arm, so a change in the machine's load hits every arm alike. Reported per task: the
 answers' accuracy against the test labels, the mean and p98 of the server's own latency
@@ -35,7 +35,7 @@ from bench.load import start, stop
 from jaxserve.datasets import text_task_split
 from jaxserve.registry import PROFILES
 
-POLICIES = ("tabi", "tabi-small", "tabi-large", "tabi-infaas")
+POLICIES = ("tabi", "tabi-small", "tabi-large", "tabi-infaas", "tabi-cocktail")
 PORT0 = 8710
 
 

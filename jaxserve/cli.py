@@ -729,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="default: deadline-aware batching; text (one model): arlo and its baselines st, dt, "
                          "infaas; images (one model): otas and its baselines pets, tome, vpt; text "
                          "classification by a cascade of encoders: tabi and its baselines tabi-small, "
-                         "tabi-large, tabi-infaas (the models come from the cascade profile)")
+                         "tabi-large, tabi-infaas, tabi-cocktail (the models come from the cascade profile)")
     sp.add_argument("--instances", "--num-workers", dest="instances", type=POSITIVE_INT, default=2,
                     help="workers that run steps (default 2: measured in bench/RESULTS.md, load)")
     sp.add_argument("--workers", choices=("thread", "ray"), default="thread",

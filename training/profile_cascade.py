@@ -250,7 +250,7 @@ def profile_task(task: str, enc: dict[str, Encoder], progress: bool = True) -> t
         return {"candidate": c.name(), "accuracy": ev["accuracy"], "cost_ms": ev["cost"] * 1e3,
                 "exit_shares": ev["exit_shares"]}
 
-    test = {p: on_test(choose(p, entry)) for p in ("tabi", "tabi-small", "tabi-large", "tabi-infaas")}
+    test = {p: on_test(choose(p, entry)) for p in ("tabi", "tabi-small", "tabi-large", "tabi-infaas", "tabi-cocktail")}
     test["singles"] = {m: on_test(next(c for c in candidates if c.levels == (m,))) for m in enc}
     test["unpruned"] = on_test(base)
     if pruned_pick is not None:

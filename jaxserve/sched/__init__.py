@@ -8,7 +8,7 @@ The live engine and the simulator drive the same policy objects; see
 TEXT_STREAM_POLICIES = ("arlo", "st", "dt", "infaas")  # Arlo and its baselines: one text stream owns every instance
 IMAGE_POLICIES = ("otas", "pets", "tome", "vpt")  # OTAS and its baselines: one image model
 # Tabi's cascade and its baselines, over the text encoders the cascade profile names (jaxserve/sched/tabi.py)
-CASCADE_POLICIES = ("tabi", "tabi-small", "tabi-large", "tabi-infaas")
+CASCADE_POLICIES = ("tabi", "tabi-small", "tabi-large", "tabi-infaas", "tabi-cocktail")
 # AsyFunc and its baselines (jaxserve/sched/asyfunc.py): simulation only so far (serve refuses them)
 ASYFUNC_POLICIES = ("asyfunc", "asyfunc-nolls", "asyfunc-batch")
 # QUART and its baselines (jaxserve/sched/quart.py): one model as a pipeline of stages; simulation only so far

@@ -459,11 +459,14 @@ def choose(policy: str, task: TaskProfile, target_accuracy: float | None = None,
     """The candidate ``policy`` serves a task with: ``tabi`` the cheapest meeting the target
     (§5); ``tabi-small`` / ``tabi-large`` the first / last model of Tabi's choice alone;
     ``tabi-infaas`` the cheapest single model meeting the target (INFaaS' selection, one
-    variant per accuracy target and SLO)."""
+    variant per accuracy target and SLO); ``tabi-cocktail`` every profiled model on every
+    request (:func:`cocktail`; it ignores the target and ``max_cost``)."""
     target = task.target_accuracy if target_accuracy is None else target_accuracy
     singles = [c for c in task.candidates if len(c.levels) == 1]
     if policy == "tabi-infaas":
         return select(singles, target, max_cost)
+    if policy == "tabi-cocktail":
+        return cocktail(singles)
     chosen = select(task.candidates, target, max_cost)
     if policy == "tabi":
         return chosen
@@ -471,6 +474,30 @@ def choose(policy: str, task: TaskProfile, target_accuracy: float | None = None,
     if model is None:
         raise ValueError(f"unknown cascade policy {policy!r}")
     return next(c for c in singles if c.levels == (model,))
+
+
+def cocktail(singles: Sequence[Candidate]) -> Candidate:
+    """The Cocktail-like baseline (NSDI'22 as the Tabi paper compares against it): an ensemble
+    of every model on every request, weighted by each model's validation accuracy.
+
+    Decision: it is a :class:`Candidate` whose cut-offs are all 1.0 (Eq. 4 then reroutes
+    every request with probability 1), without pruning, its models ordered by cost and its
+    last exit's weights their accuracies. It therefore runs on this engine, live and in
+    simulation, like any cascade: the models run **one after the other** on a request.
+    Cocktail runs them in parallel, one instance per model; a request's latency is then its
+    slowest model's, at the price of one instance per model. On one CPU instance the same
+    work in parallel would share the cores, so the sequential form is what this hardware
+    buys; ``bench/tabi_sim.py`` also reports the parallel reading (latency = the slowest
+    model's) beside it. ``accuracy`` is the mean of the models' (the ensemble's own is what
+    serving or simulation measures) and ``cost`` the sum of theirs."""
+    models = sorted(singles, key=lambda c: (c.cost, c.levels[0]))
+    if not models:
+        raise ValueError("the Cocktail-like ensemble needs at least one profiled single model")
+    n = len(models)
+    weights = tuple((1.0,) * (j + 1) for j in range(n - 1)) + (tuple(max(c.accuracy, 1e-6) for c in models),)
+    return Candidate(models[0].task, tuple(c.levels[0] for c in models), (1.0,) * (n - 1), alpha=None,
+                     weights=weights, accuracy=float(np.mean([c.accuracy for c in models])),
+                     cost=float(sum(c.cost for c in models)), exit_shares=(0.0,) * (n - 1) + (1.0,))
 
 
 class Replay:

@@ -240,3 +240,36 @@ def test_the_pareto_set_keeps_every_choice_selection_can_make():
             got = select(front, target, bound)
             assert (got.accuracy, got.cost) == (expect.accuracy, expect.cost)
     assert {c.levels for c in front if len(c.levels) == 1} == {("s",), ("l",)}
+
+
+def test_cocktail_runs_every_model_on_every_request_and_answers_their_accuracy_weighted_mean():
+    from jaxserve.sched.tabi import TaskProfile, choose, cocktail
+
+    singles = (Candidate("t", ("l",), accuracy=0.9, cost=0.01), Candidate("t", ("s",), accuracy=0.6, cost=0.001))
+    profile = TaskProfile(("neg", "pos"), 0.85, singles + (Candidate("t", ("s", "l"), (0.8,), accuracy=0.88,
+                                                                     cost=0.005),))
+    cand = choose("tabi-cocktail", profile)
+    assert cand == cocktail(singles)
+    assert cand.levels == ("s", "l")  # cheapest first
+    assert cand.thresholds == (1.0,) and cand.alpha is None
+    assert cand.weights[-1] == (0.6, 0.9)
+    assert cand.cost == pytest.approx(0.011)
+    policy = TabiPolicy({"t": cand}, {"s": GRID, "l": GRID}, COST, {"t": ("neg", "pos")})
+    n = 12
+    trace = make_trace(np.arange(n) * 1.0, model="s", length=30, slo_s=10.0, task="t")
+    small, large = (0.999, 0.001), (0.3, 0.7)  # however confident the small model, the large one runs
+
+    def summary_of(rid, batch):
+        probs = small if batch.model == "s" else large
+        return StepSummary(max(probs), None, probs, (("l", 30),) if batch.model == "s" else (), 0)
+
+    r = simulate(policy, trace, COST, instances=1, summary_of=summary_of)
+    assert all(OUTCOMES[o] == "ok" for o in r.outcome)
+    expect = (0.6 * np.array(small) + 0.9 * np.array(large)) / 1.5
+    for i in range(n):
+        a = policy.describe_request(i)
+        assert a["levels"] == ["s", "l"]
+        assert a["probabilities"] == pytest.approx(expect.tolist())
+    assert policy.exits["t"] == [0, n]
+    with pytest.raises(ValueError, match="at least one"):
+        cocktail(())
