@@ -6,10 +6,14 @@ the model from disk; an LRU evicts cached processes once memory use passes 85%. 
 warm copy is an object in Ray's object store (shared memory on the node): the stage's
 parameters, a pytree of numpy arrays, ``ray.put`` once. A new replica (:class:`StageReplica`)
 asks the node's :class:`KeysManager` for a :class:`Lease`; on a hit it ``ray.get``\\ s the
-arrays (zero-copy, read-only views of the shared memory) and copies them onto its device
-(``jax.device_put(..., may_alias=False)``: the replica owns its copy, as the paper's non-COW
-fork does, and the cached object is not pinned by it); on a miss it restores the stage's
-orbax checkpoint itself and asks the manager to cache it (:meth:`KeysManager.populate`).
+arrays (zero-copy, read-only views of the shared memory) and copies them onto its device:
+the replica owns its copy, as the paper's non-COW fork does, and the cached object is not
+pinned by it. (On the CPU backend ``jax.device_put`` of a read-only, 64-byte-aligned numpy
+array, as Ray's are, aliases its memory, ``may_alias=False`` or not, so the copy is made
+explicitly there; ``share=True``
+keeps the alias instead: the paper's COW sharing, which pins the entry until the replica
+lets go.) On a miss it restores the stage's orbax checkpoint itself and asks the manager to
+cache it (:meth:`KeysManager.populate`).
 
 On disk, each stage is an orbax checkpoint (:func:`save_stage_checkpoint`, read back with
 :func:`jaxserve.orbax_io.restore_here`) with a record beside it (``digest.json``): the
@@ -40,10 +44,12 @@ come and go (an object ``ray.put`` by a replica would die with that replica: Ray
 object when its owner dies). The objects land in the store of the actor's node, which is
 the node the entries report (:attr:`CacheEntry.node_id`). A replica that ``ray.get``\\ s an
 entry borrows it; an evicted entry is freed once the last borrower drops its reference. If
-the actor dies its entries are lost with it: replicas then get ``ObjectLostError``-family
-errors, which :class:`StageReplica` answers by loading from disk. A driver-side manager would
-tie the cache to the driver's lifetime and put every entry on the driver's node; the class
-works there too (it is plain Python), which is not how it is deployed.
+the actor dies its entries go with it (Ray frees an object whose owner died, not at once:
+a read under way may still succeed); a replica then gets ``RayActorError`` from its lease
+call or an ``ObjectLostError``-family error from its ``ray.get``, and loads from disk. A
+driver-side manager would tie the cache to the driver's lifetime and put every entry on the
+driver's node; the class works there too (it is plain Python), which is not how it is
+deployed.
 
 Names follow :mod:`jaxserve.sched.quart`, the policy's model of this cache
 (:class:`~jaxserve.sched.quart.ParameterCache`): a load's source is ``"cache"`` or disk
@@ -452,10 +458,12 @@ class KeysManager:
 _ManagerActor = ray.remote(num_cpus=0)(KeysManager)
 
 
-def keys_manager(node_id: str | None = None, namespace: str | None = None, **options) -> Any:
+def keys_manager(node_id: str | None = None, namespace: str = "jaxserve", **options) -> Any:
     """The KeysManager actor of ``node_id`` (default: this process's node), started on that
     node if there is none (``options``: :class:`KeysManager`'s arguments, used only then).
-    Named ``jaxserve-keys-manager-<node id>``: every driver and replica finds the same one."""
+    Named ``jaxserve-keys-manager-<node id>`` in ``namespace``: every process of the cluster
+    asking for that node's finds the same one. Not detached: it lives as long as the job
+    that started it (and its entries with it)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node_id = node_id or _node_id()
@@ -470,7 +478,7 @@ def keys_manager(node_id: str | None = None, namespace: str | None = None, **opt
 class ReadyReport:
     """A replica's start: where its parameters came from (``"cache"`` or ``"disk"``), the
     seconds from asking to device arrays ready, their bytes and digest (of the arrays
-    held), its node and process."""
+    held), its node and process; ``shared``: some device arrays alias the object store."""
 
     source: str
     seconds: float
@@ -478,6 +486,42 @@ class ReadyReport:
     digest: str | None
     node_id: str
     pid: int
+    shared: bool = False
+
+
+def _aliases(device_array: Any, host: np.ndarray) -> bool:
+    try:
+        return device_array.unsafe_buffer_pointer() == host.ctypes.data
+    except Exception:  # not a single-buffer array of this process's memory
+        return False
+
+
+def _private_copy(a: np.ndarray) -> np.ndarray:
+    """A read-only copy of ``a`` in memory of this process, 64-byte aligned: what the CPU
+    backend adopts without a second copy (it copies, at a quarter of memcpy's speed here,
+    arrays that are writable or less aligned)."""
+    buf = np.empty(a.nbytes + 64, np.uint8)
+    offset = (-buf.ctypes.data) % 64
+    out = buf[offset:offset + a.nbytes].view(a.dtype).reshape(a.shape)
+    np.copyto(out, a)
+    out.flags.writeable = False
+    return out
+
+
+def _to_device(host: Any, copy: bool = True) -> tuple[Any, bool]:
+    """``host`` (numpy, e.g. views of the object store) on the default device, waited for;
+    and whether any array aliases ``host``'s memory. ``copy``: never alias (the CPU backend
+    aliases aligned read-only numpy arrays whatever ``may_alias`` says: such leaves get a
+    private copy, which it adopts). On an accelerator ``device_put`` is the copy."""
+    import jax
+
+    params = jax.device_put(host)
+    if copy:
+        params = jax.tree_util.tree_map(lambda d, h: jax.device_put(_private_copy(h)) if _aliases(d, h) else d,
+                                        params, host)
+    params = jax.block_until_ready(params)
+    shared = any(_aliases(d, h) for d, h in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(host)))
+    return params, shared
 
 
 class StageReplica:
@@ -493,26 +537,25 @@ class StageReplica:
         self.stage: Stage | None = None
 
     def become_ready(self, stage: Stage, directory: str, manager: Any = None, populate: bool = True,
-                     digest: bool = False) -> ReadyReport:
+                     digest: bool = False, share: bool = False) -> ReadyReport:
         """Load ``stage``'s parameters (checkpoint in ``directory``) onto the device, through
         ``manager`` (a KeysManager actor handle) when given; ``populate``: on a miss, ask the
         manager to cache the stage (without waiting). ``digest``: hash what was loaded
-        (off the clock) for the report."""
-        import jax
-
+        (off the clock) for the report. ``share``: from the cache, let the device arrays
+        alias the object store where the backend can (the CPU) instead of copying."""
         self.params = None
         t0 = time.perf_counter()
-        source, params = "disk", None
+        source, params, shared = "disk", None, False
         if manager is not None:
-            lease = ray.get(manager.lease.remote(stage, directory))
-            if lease.source == "cache":
-                try:
+            try:
+                lease = ray.get(manager.lease.remote(stage, directory))
+                if lease.source == "cache":
                     host = ray.get(lease.ref[0])
-                    params = jax.block_until_ready(jax.device_put(host, may_alias=False))
-                    del host  # the replica's copy is its own: the object is no longer pinned here
+                    params, shared = _to_device(host, copy=not share)
+                    del host  # copied: the object is no longer pinned by this replica
                     source = "cache"
-                except _LOST:
-                    params = None
+            except _LOST:  # the manager or its object is gone: the disk, without asking it to cache
+                params, manager = None, None
         if params is None:
             params = load_stage_params(directory)
         seconds = time.perf_counter() - t0
@@ -520,7 +563,8 @@ class StageReplica:
             manager.populate.remote(stage, directory)
         self.params, self.stage = params, stage
         nbytes = int(sum(leaf.nbytes for _, leaf in _leaves(params)))
-        return ReadyReport(source, seconds, nbytes, params_digest(params) if digest else None, _node_id(), os.getpid())
+        return ReadyReport(source, seconds, nbytes, params_digest(params) if digest else None, _node_id(), os.getpid(),
+                           shared)
 
     def host_params(self) -> Any:
         """The held parameters, copied to numpy (for comparisons)."""

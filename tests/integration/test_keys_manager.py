@@ -228,5 +228,28 @@ def test_a_replica_from_the_cache_holds_what_one_from_disk_holds(root, manager, 
     assert from_disk.digest == from_cache.digest == recorded_digest(directory)
     assert from_disk.nbytes == from_cache.nbytes > 0
     assert from_cache.node_id == call(km.node.remote())
+    assert not from_cache.shared  # the replica's own copy, not a view of the object store
     assert_trees_equal(call(replicas[0].host_params.remote()), call(replicas[1].host_params.remote()))
     assert_trees_equal(call(replicas[1].host_params.remote()), stage_params(2, "c")[stage])
+    # sharing the store's memory (the CPU backend aliases it): the same arrays
+    shared = call(replicas[1].become_ready.remote(stage, directory, km, share=True))
+    assert shared.source == "cache" and shared.shared
+    assert_trees_equal(call(replicas[1].host_params.remote()), stage_params(2, "c")[stage])
+    call(replicas[1].release.remote())
+
+
+def test_a_replica_loads_from_disk_when_the_manager_is_gone(root, manager, replicas):
+    """A replica whose node's manager died (taking the entries it owned with it) loads from
+    the disk."""
+    km = manager()
+    stage = Stage("b", 1, 2, 2)
+    directory = str(stage_dir(root, stage))
+    call(km.populate.remote(stage, directory))
+    lease = call(km.lease.remote(stage, directory))
+    assert lease.source == "cache"
+    ray.kill(km)
+    with pytest.raises((ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)):
+        call(km.stats.remote())
+    report = call(replicas[0].become_ready.remote(stage, directory, km))
+    assert report.source == "disk"
+    assert_trees_equal(call(replicas[0].host_params.remote()), stage_params(1, "b")[stage])
