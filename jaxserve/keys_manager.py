@@ -84,7 +84,7 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
 from jaxserve.sched.base import Stage
 
 __all__ = ["CHECKPOINT", "RECORD", "CacheEntry", "CacheKey", "KeysManager", "Lease", "ReadyReport", "StageReplica",
-           "drop_page_cache", "keys_manager", "load_stage_params", "params_digest", "params_from_state",
+           "cached_nodes", "drop_page_cache", "keys_manager", "load_stage_params", "params_digest", "params_from_state",
            "recorded_digest", "save_stage_checkpoint", "stage_dir", "state_from_params", "write_record"]
 
 CHECKPOINT = "params"  # the orbax checkpoint, inside a stage's directory
@@ -470,6 +470,26 @@ def keys_manager(node_id: str | None = None, namespace: str = "jaxserve", **opti
     return _ManagerActor.options(
         name=f"jaxserve-keys-manager-{node_id}", namespace=namespace, get_if_exists=True, lifetime=None,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(**options)
+
+
+def cached_nodes(stage: Stage, directory: str | None = None, namespace: str = "jaxserve") -> list[str]:
+    """The alive nodes whose KeysManager holds ``stage`` (with ``directory``: an entry valid
+    for the checkpoint there now): what cache-aware placement
+    (:func:`jaxserve.sched.quart.choose_server`'s ``cached``) asks. Starts no manager."""
+    out = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        try:
+            handle = ray.get_actor(f"jaxserve-keys-manager-{node['NodeID']}", namespace=namespace)
+        except ValueError:  # no manager on that node
+            continue
+        try:
+            if ray.get(handle.holds.remote(stage, directory)):
+                out.append(node["NodeID"])
+        except ray.exceptions.RayActorError:
+            continue
+    return out
 
 
 # ------------------------------------------------------------------ a replica

@@ -17,7 +17,7 @@ import pytest
 import ray
 from flax import nnx
 
-from jaxserve.keys_manager import (CacheKey, ReplicaActor, drop_page_cache, keys_manager, load_stage_params,
+from jaxserve.keys_manager import (CacheKey, ReplicaActor, cached_nodes, drop_page_cache, keys_manager, load_stage_params,
                                    params_digest, params_from_state, recorded_digest, save_stage_checkpoint,
                                    stage_dir, state_from_params)
 from jaxserve.models.bert import BERT_CONFIGS, abstract_bert_stage, init_bert
@@ -214,6 +214,20 @@ def test_entries_report_the_node_that_holds_them(root, manager):
     lease = call(km.lease.remote(stage, directory))
     where = ray.experimental.get_object_locations([lease.ref[0]])[lease.ref[0]]
     assert entry.node_id in where["node_ids"]
+
+
+def test_cached_nodes_names_the_nodes_whose_manager_holds_a_stage(root, cluster):
+    namespace = f"test-{uuid.uuid4().hex}"
+    stage, directory = Stage("c", 1, 2, 2), str(stage_dir(root, Stage("c", 1, 2, 2)))
+    assert cached_nodes(stage, namespace=namespace) == []  # no manager anywhere yet (none is started)
+    km = keys_manager(namespace=namespace)
+    try:
+        assert cached_nodes(stage, directory, namespace=namespace) == []
+        call(km.populate.remote(stage, directory))
+        assert cached_nodes(stage, directory, namespace=namespace) == [call(km.node.remote())]
+        assert cached_nodes(Stage("c", 0, 1, 2), namespace=namespace) == []
+    finally:
+        ray.kill(km)
 
 
 def test_a_replica_from_the_cache_holds_what_one_from_disk_holds(root, manager, replicas):
