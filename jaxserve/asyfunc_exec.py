@@ -1,0 +1,282 @@
+"""AsyFunc's split execution (Pei et al., SoCC'23, §3.1, §4.3): a body and its shadow.
+
+A :class:`Body` holds the whole model as stages of one cut: the non-parallel part (``pre``
+``[0:i)`` and ``post`` ``[j:L)``, run at the batch ``b``) and the parallel block ``[i:j)``
+(run at ``b_B``). A *shadow* is any :class:`~jaxserve.workers.Worker` holding only the block
+(a :class:`~jaxserve.workers.ThreadWorker` in this process, or a Ray actor: :class:`PoolWorker`).
+:meth:`Body.run` runs ``pre`` on all ``b`` rows, hands rows ``[b_B:b)`` of the block's input to
+the shadow, runs rows ``[0:b_B)`` itself meanwhile, merges the two parts back in row order
+(:meth:`~jaxserve.stages.Activations.concat`, or the items of a last block) and runs ``post``.
+Names follow :mod:`jaxserve.sched.asyfunc` (``b``, ``b_B``, ``b_S = b - b_B``, the block).
+
+Faults: a shadow that dies (its step raises :class:`~jaxserve.workers.WorkerDied`) before or
+while its part runs is dropped for this batch: the body computes those rows itself, so the
+answer is given once and is what the unsplit model gives. So does a shadow that has not answered
+``shadow_timeout_s`` after the body's own part (its late result is dropped). Any other error of
+the shadow's step is the batch's error.
+
+Container pool (§3.4): :class:`PoolWorker` is a Ray worker started empty (process up, JAX
+imported) that loads one block of any text model on demand, with only that block's parameters
+and executables (:func:`load_text_block`: the block's stage table from the node's compile cache,
+its slice of the weights), as opposed to a body's actor, which loads and primes the whole model.
+
+Nothing here compiles at request time: every cell a split may use (``b``, ``b_B``, ``b_S``,
+each bucketed by the grid) is warmed when the body and the shadow load.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FuturesTimeout
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from jaxserve.compile_cache import CompileCache
+from jaxserve.runtime import ModelRuntime
+from jaxserve.sched.base import Cell, Stage
+from jaxserve.stages import Activations, StageRuntime, build_stage_runtimes
+from jaxserve.workers import Step, StepOutput, Worker, WorkerDied
+
+__all__ = ["Body", "SplitTimes", "body_stages", "load_text_block", "modelled_seconds"]
+
+
+def body_stages(model: str, num_layers: int, block: Stage) -> tuple[Stage | None, Stage, Stage | None]:
+    """(pre, block, post): the stages around ``block`` (None where the block touches an end)."""
+    if block.model != model or block.num_layers != num_layers:
+        raise ValueError(f"{block.label()} is not a block of {model} ({num_layers} layers)")
+    if block.whole:
+        raise ValueError(f"{block.label()}: a shadow holds a block, not the whole model")
+    pre = None if block.first else Stage(model, 0, block.start, num_layers)
+    post = None if block.last else Stage(model, block.stop, num_layers, num_layers)
+    return pre, block, post
+
+
+def modelled_seconds(t_np: float, t_pB: float, t_pS: float, transfer: float) -> float:
+    """The paper's Eq. 3 latency: ``max(t_np + t_pB, t_np + t_pS + transfer)``."""
+    return max(t_np + t_pB, t_np + t_pS + transfer)
+
+
+@dataclass(frozen=True)
+class SplitTimes:
+    """What one split batch took, in seconds on the body's clock: ``t_pre`` + ``t_post`` is
+    ``t_np``; ``t_pB`` the body's block part; ``t_pS`` the shadow's compute (its own clock);
+    ``shadow_wall`` from handing the rows over to holding the shadow's result, so ``transfer`` =
+    ``shadow_wall - t_pS`` (both ways, serialisation and queueing included); ``total`` the whole
+    :meth:`Body.run`. ``recomputed``: the shadow died and the body computed its rows."""
+
+    b: int
+    b_B: int
+    b_S: int
+    t_pre: float
+    t_pB: float
+    t_pS: float
+    shadow_wall: float
+    t_post: float
+    total: float
+    recomputed: bool = False
+
+    @property
+    def t_np(self) -> float:
+        return self.t_pre + self.t_post
+
+    @property
+    def transfer(self) -> float:
+        return max(0.0, self.shadow_wall - self.t_pS)
+
+    def modelled(self) -> float:
+        return modelled_seconds(self.t_np, self.t_pB, self.t_pS, self.transfer)
+
+
+class Body:
+    """The whole model of ``parent`` cut around ``block``: warmed stage runtimes for ``pre``,
+    the block and ``post`` (from ``cache``; none compiled later). Runs batches alone or split
+    with a shadow worker that holds ``block``."""
+
+    def __init__(self, parent: ModelRuntime, block: Stage, cache: CompileCache | None = None, *, tune: bool = False):
+        self.parent = parent
+        self.pre, self.block, self.post = body_stages(parent.name, parent.num_layers, block)
+        stages = [s for s in (self.pre, self.block, self.post) if s is not None]
+        self.runners: dict[Stage, StageRuntime] = build_stage_runtimes(parent, stages, cache, tune=tune)
+
+    def cell_for(self, payloads: Sequence[Any]) -> Cell:
+        """The non-parallel part's cell for ``payloads`` (token ids): the grid's rule."""
+        return self.parent.grid.cell_for(len(payloads), max((len(p) for p in payloads), default=0))
+
+    def _block_input(self, payloads, carry: Activations | None, lo: int, hi: int) -> tuple[tuple, Any]:
+        if self.block.first:
+            return tuple(payloads[lo:hi]), None
+        return (), carry.rows(range(lo, hi))
+
+    def _run_block_here(self, cell: Cell, payloads, tasks, carry, lo: int, hi: int) -> StepOutput:
+        rows, part = self._block_input(payloads, carry, lo, hi)
+        part_cell = self.parent.grid.cell_for(hi - lo, cell.seq, cell.gamma)
+        res = self.runners[self.block].execute(part_cell, list(rows), list(tasks[lo:hi]), part)
+        return StepOutput(res.items, res.carry, res.compute_seconds)
+
+    def run(self, payloads: Sequence[Any], tasks: Sequence[str], b_B: int | None = None,
+            shadow: Worker | None = None, cell: Cell | None = None,
+            shadow_timeout_s: float | None = None) -> tuple[list[dict], SplitTimes]:
+        """Answer ``payloads`` (``b`` rows, one ``tasks`` entry each) as the whole model does:
+        the block's rows ``[0:b_B)`` here and ``[b_B:b)`` on ``shadow`` (all here when it is
+        None or ``b_B == b``). ``cell``: the non-parallel part's (default :meth:`cell_for`).
+        ``shadow_timeout_s``: how long to wait for the shadow once the body's part is done
+        (None: until it answers or dies); past it the body computes the rows and the shadow's
+        late result is dropped."""
+        t0 = time.perf_counter()
+        b = len(payloads)
+        if len(tasks) != b:
+            raise ValueError(f"{len(tasks)} tasks for {b} items")
+        b_B = b if (b_B is None or shadow is None) else b_B
+        if not 0 <= b_B <= b:
+            raise ValueError(f"b_B={b_B} is outside [0, {b}]")
+        cell = cell or self.cell_for(payloads)
+        tasks = list(tasks)
+        carry = None
+        t_pre = 0.0
+        if self.pre is not None:
+            res = self.runners[self.pre].execute(cell, list(payloads), tasks)
+            carry, t_pre = res.carry, res.compute_seconds
+        # the shadow's part goes first, so it runs while the body computes its own
+        fut: Future | None = None
+        t_handed = time.perf_counter()
+        if b_B < b:
+            rows, part = self._block_input(payloads, carry, b_B, b)
+            try:
+                fut = shadow.submit(Step(self.block, self.parent.grid.cell_for(b - b_B, cell.seq, cell.gamma),
+                                         rows, tuple(tasks[b_B:]), part))
+            except WorkerDied:
+                fut = None
+            t_handed = time.perf_counter()
+        t1 = time.perf_counter()
+        mine = self._run_block_here(cell, payloads, tasks, carry, 0, b_B) if b_B else None
+        t_pB = time.perf_counter() - t1 if b_B else 0.0
+        theirs, t_pS, shadow_wall, recomputed = None, 0.0, 0.0, False
+        if b_B < b:
+            try:
+                if fut is None:
+                    raise WorkerDied("the shadow was gone before its part was handed over")
+                theirs = fut.result(timeout=shadow_timeout_s)
+                shadow_wall, t_pS = time.perf_counter() - t_handed, theirs.compute_seconds
+            except (WorkerDied, FuturesTimeout):  # §5.2's coordination, our way: the body does the rows itself
+                recomputed = True
+                theirs = self._run_block_here(cell, payloads, tasks, carry, b_B, b)
+        parts = [p for p in (mine, theirs) if p is not None]
+        t2 = time.perf_counter()
+        if self.block.last:
+            items = [item for p in parts for item in p.items]
+            t_post = time.perf_counter() - t2
+        else:
+            merged = Activations.concat([p.carry for p in parts]) if len(parts) > 1 else parts[0].carry
+            res = self.runners[self.post].execute(cell, [], tasks, merged)
+            items, t_post = res.items, time.perf_counter() - t2
+        return items, SplitTimes(b, b_B, b - b_B, t_pre, t_pB, t_pS, shadow_wall, t_post,
+                                 time.perf_counter() - t0, recomputed)
+
+
+def load_text_block(model: str, block: Stage, grid, cache: CompileCache | None, *, precision: str = "f32",
+                    tune: bool = False, prime: bool = True) -> StageRuntime:
+    """Only ``block`` of the text model ``model``: its stage table (from ``cache``) and its slice
+    of the weights; the parent it hangs on holds no table and no weights, only what a stage
+    borrows (tokenizer for a first block, task heads for a last one). ``prime``: run every cell
+    once, as a body's load does before ready. What a pool worker loads (§3.4)."""
+    import jax
+
+    from jaxserve.polymorph import PolymorphTable
+    from jaxserve.registry import ASSETS, load_text_model
+    from jaxserve.runtime import TaskHead, TextRuntime
+    from jaxserve.models.tokenizer import TextTokenizer
+    from jaxserve.servables import bert_stage_servable, weights_of
+    from jaxserve.stages import slice_stage_weights
+
+    cfg, module, tokenizer_json = load_text_model(model)
+    if block.model != model or block.num_layers != cfg.num_layers or block.whole:
+        raise ValueError(f"{block.label()} is not a block of {model} ({cfg.num_layers} layers)")
+    servable = bert_stage_servable(model, cfg, grid, block.start, block.stop, precision)
+    table = PolymorphTable(servable, cache, tune=tune)
+    table.warmup()
+    weights = slice_stage_weights(weights_of(module, precision), servable.abstract_state, block.start)
+    del module  # the other layers' arrays go with it: the slice shares only the block's
+    heads = {}
+    heads_dir = ASSETS / "heads" / model
+    if block.last and heads_dir.exists():
+        heads = {f.stem: TaskHead.load(f.stem, f) for f in sorted(heads_dir.glob("*.npz"))}
+    tokenizer = TextTokenizer(tokenizer_json) if block.first else None
+    parent = TextRuntime(model, None, None, heads, num_layers=cfg.num_layers, tokenizer=tokenizer,
+                         embedding_dim=cfg.hidden_size)
+    runner = StageRuntime(block, parent, table, weights)
+    if prime:
+        import numpy as np
+
+        for cell in grid.cells():
+            args = [np.ones(s.shape, s.dtype) if np.issubdtype(s.dtype, np.integer)
+                    else np.full(s.shape, 0.02, s.dtype) for s in servable.input_specs(cell)]
+            jax.block_until_ready(table.executable(cell)(weights, *args))
+    return runner
+
+
+# ------------------------------------------------------------------ the container pool, on Ray
+
+try:
+    import ray
+
+    from jaxserve.ray_workers import RayWorker, StageHost, WorkerSpec
+except ImportError:  # pragma: no cover - the ray extra is not installed
+    ray = None
+
+if ray is not None:
+    class ShadowHost(StageHost):
+        """A pool actor: starts empty (JAX imported) and loads blocks of any text model with
+        :func:`load_text_block`, never the whole model."""
+
+        def __init__(self, spec: WorkerSpec):
+            super().__init__(spec)
+            import jax
+
+            jax.devices()  # warm: the imports and the backend a fresh process pays before any load
+
+        def _runner(self, stage: Stage):
+            spec = self._spec
+            if stage.whole:
+                raise ValueError(f"{stage.label()}: a pool worker holds blocks, not whole models")
+            return load_text_block(stage.model, stage, spec.text_grid, self._open_cache(), precision=spec.precision,
+                                   tune=spec.tune, prime=spec.prime)
+
+        def unload(self, stage: Stage):
+            self._runners.pop(stage, None)
+            return self.report()
+
+        def pid(self) -> int:
+            return os.getpid()
+
+    _ShadowActor = ray.remote(ShadowHost)
+
+    class PoolWorker(RayWorker):
+        """The node's warm empty worker (§3.4) as a :class:`RayWorker`: ``ready`` once its
+        process is up; :meth:`load` of a block makes it a shadow. ``spec.models`` is not
+        consulted: any text model's block loads."""
+
+        kind = "ray-pool"
+
+        def _start(self) -> Future:
+            with self._state:
+                self._generation += 1
+                generation, stages = self._generation, sorted(self._stages)
+                self._actor = _ShadowActor.options(**self._options).remote(self.spec)
+                self._dead = False
+                self._report = None
+                ref = self._actor.hold.remote(stages)
+            t0 = time.perf_counter()
+
+            def ready(report) -> float:
+                self._take(report, generation)
+                return time.perf_counter() - t0
+
+            return self._future(ref, generation, ready)
+
+        def kill(self) -> None:
+            """End the actor's process now (its steps fail with WorkerDied)."""
+            ray.kill(self.actor, no_restart=True)
+
+    __all__ += ["PoolWorker", "ShadowHost"]
