@@ -111,9 +111,9 @@ def main() -> None:
     if args.write:
         from bench.common import record
 
-        record("tabi_live", "Tabi live: the cascade against each model alone and INFaaS-like (closed loop, batch 1)",
+        record("tabi_live", "Tabi live: the cascade against each model alone, INFaaS-like and Cocktail-like (closed loop, batch 1)",
                body, f"{args.rounds} rounds x {args.per_round} test texts per task and arm, interleaved; one "
-               "instance per server; the four servers run side by side, idle but the one measured.")
+               "instance per server; the five servers run side by side, idle but the one measured.")
 
 
 if __name__ == "__main__":
