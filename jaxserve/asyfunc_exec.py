@@ -258,22 +258,7 @@ if ray is not None:
         consulted: any text model's block loads."""
 
         kind = "ray-pool"
-
-        def _start(self) -> Future:
-            with self._state:
-                self._generation += 1
-                generation, stages = self._generation, sorted(self._stages)
-                self._actor = _ShadowActor.options(**self._options).remote(self.spec)
-                self._dead = False
-                self._report = None
-                ref = self._actor.hold.remote(stages)
-            t0 = time.perf_counter()
-
-            def ready(report) -> float:
-                self._take(report, generation)
-                return time.perf_counter() - t0
-
-            return self._future(ref, generation, ready)
+        actor_class = _ShadowActor
 
         def kill(self) -> None:
             """End the actor's process now (its steps fail with WorkerDied)."""

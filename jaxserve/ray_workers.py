@@ -236,6 +236,7 @@ class RayWorker(Worker):
     """
 
     kind = "ray"
+    actor_class = _HostActor  # a subclass may host a StageHost subclass (asyfunc_exec.PoolWorker)
 
     def __init__(self, worker_id: int, spec: WorkerSpec, stages: Sequence[Stage] = (), *,
                  num_cpus: float = 1, num_gpus: float = 0):
@@ -256,7 +257,7 @@ class RayWorker(Worker):
         with self._state:
             self._generation += 1
             generation, stages = self._generation, sorted(self._stages)
-            self._actor = _HostActor.options(**self._options).remote(self.spec)
+            self._actor = self.actor_class.options(**self._options).remote(self.spec)
             self._dead = False
             self._report = None
             ref = self._actor.hold.remote(stages)
