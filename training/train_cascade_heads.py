@@ -217,11 +217,11 @@ SENTIMENT_VARIANTS = {  # name: (weight of a review item, weight of a plot sente
 
 
 def sentiment_parts_features(embedder: TextEmbedder, split: str, caps, progress: bool = True) -> dict:
-    """{part: (features, labels)} of the ``sentiment`` task's ``split`` (``datasets.text_task_parts``),
-    each part embedded through the cache on its own, so the tweets and reviews parts reuse those
-    tasks' cached features."""
+    """{part: (features, labels)} of the ``sentiment`` task's ``split`` (``datasets.text_task_parts``;
+    ``caps`` limit the training split's parts only), each part embedded through the cache on its
+    own, so the tweets and reviews parts reuse those tasks' cached features."""
     out = {}
-    for part, texts, labels in text_task_parts("sentiment", split, caps):
+    for part, texts, labels in text_task_parts("sentiment", split, caps if split == "train" else None):
         if texts:
             features, _, _ = cached_embeddings(embedder, texts, progress=progress,
                                                desc=f"{embedder.model_name} sentiment/{part}/{split}")
