@@ -103,13 +103,15 @@ def test_selection_takes_the_cheapest_candidate_that_meets_the_target():
     assert all(c.accuracy >= floor for c in cascades)
     target = large_alone.accuracy - 0.005
     chosen = select(cands, target)
-    assert chosen.accuracy >= target
-    assert all(c.cost >= chosen.cost for c in cands if c.accuracy >= target)
+    assert chosen.assured >= target and chosen.accuracy >= target
+    assert all(c.cost >= chosen.cost for c in cands if c.assured >= target)
     assert chosen.cost < large_alone.cost  # the cascade is cheaper than the large model alone
+    assert large_alone.accuracy_se == 0.0  # the reference: no paired difference from itself
+    assert all(c.accuracy_se > 0 for c in cascades)
     # an easy target: the small model alone
     assert select(cands, 0.5).levels == ("s",)
-    # an impossible one: the most accurate within the bound
-    assert select(cands, 1.01).accuracy == max(c.accuracy for c in cands)
+    # an impossible one: the highest assured accuracy within the bound
+    assert select(cands, 1.01).assured == max(c.assured for c in cands)
     with pytest.raises(ValueError, match="within"):
         select(cands, 0.5, max_cost=0.1)
 
@@ -273,3 +275,24 @@ def test_cocktail_runs_every_model_on_every_request_and_answers_their_accuracy_w
     assert policy.exits["t"] == [0, n]
     with pytest.raises(ValueError, match="at least one"):
         cocktail(())
+
+
+def test_selection_pays_for_the_noise_of_a_candidates_estimate():
+    """The winner's-curse guard: a candidate that differs from the large model on many items
+    must clear the target by SELECT_Z standard errors of that paired difference."""
+    from jaxserve.sched.tabi import SELECT_Z, paired_se
+
+    ref = np.array([1.0, 1.0, 0.0, 1.0] * 500)
+    same = ref.copy()
+    assert paired_se(same, ref) == 0.0
+    flips = ref.copy()
+    flips[:200] = 1.0 - flips[:200]  # differs on 10% of the items
+    d = flips - ref
+    assert paired_se(flips, ref) == pytest.approx(d.std(ddof=1) / np.sqrt(len(d)))
+    lucky = Candidate("t", ("s", "l"), (0.5,), accuracy=0.90, cost=1.0, accuracy_se=0.01)
+    steady = Candidate("t", ("s", "l"), (0.8,), accuracy=0.895, cost=2.0, accuracy_se=0.001)
+    large = Candidate("t", ("l",), accuracy=0.90, cost=10.0)
+    assert lucky.assured == pytest.approx(0.90 - SELECT_Z * 0.01)
+    assert select([lucky, steady, large], 0.89) is steady  # the cheaper one's 0.90 is not assured
+    assert select([lucky, steady, large], 0.85) is lucky
+    assert select([lucky, steady, large], 0.899) is large
