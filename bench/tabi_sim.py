@@ -128,16 +128,18 @@ def main() -> None:
          "pruned candidate", "its accuracy % / mean ms", "large model on rerouted items, full -> pruned, ms"],
         notes_rows)
         + "\n\n" + PAPER + "\n\nTasks profiled: " + ", ".join(sorted(profile["tasks"])) + " (a task missing here "
-        "has no cascade profile yet). The costs are the profile's batch-1 bucket latencies, measured while the "
-        "machine was shared with other jobs (`bucket_ms` in jaxserve/profiles/cascade.json: noisy, one bucket can "
-        "come out slower than the next larger); the ratios between arms of one run use the same numbers. The "
+        "has no cascade profile yet). The costs are the profile's batch-1 bucket latencies, measured in the "
+        "profile's own run (`bucket_ms` in jaxserve/profiles/cascade.json; they move 10-40% between runs on this "
+        "virtual machine: MPNet's mean on R8 was 179.7 ms in one quiet run and 253.1 ms in the next); the ratios "
+        "between arms of one run use the same numbers. The "
         "simulated accuracy uses the seeded routing draws over every test item; the profile's column is the "
         "expectation over them.")
     print(body)
     if args.write:
         from bench.common import record
 
-        record("tabi_sim", "Tabi simulated: cascade vs each model alone and INFaaS-like (batch 1, replayed outputs)",
+        record("tabi_sim", "Tabi simulated: cascade vs each model alone, INFaaS-like and Cocktail-like (batch 1, "
+               "replayed outputs)",
                body, notes)
 
 

@@ -486,3 +486,26 @@ def test_asyfunc_runs_in_simulation_and_serve_refuses_it(tmp_path, capsys):
     (tmp_path / "cost.json").write_text(cost.read_text())  # no layer file beside it
     out = run("simulate", "--cost-model", str(tmp_path / "cost.json"), "--policy", "asyfunc")
     assert out.returncode == 2 and "profile --layers" in out.stderr, out.stderr[-2000:]
+
+
+def test_simulate_runs_the_cascade_policies_on_the_shipped_profile():
+    """`simulate --policy tabi|tabi-*` replays the small models' real test outputs through the pure
+    policy: Tabi answers some requests at the first level, the large model alone none early, and
+    Cocktail-like every request at the last of its four levels. Over a tiling of the test split the
+    simulated accuracy is the profile's test figure up to the seeded draws."""
+    from jaxserve.registry import PROFILES
+
+    profile = json.loads((PROFILES / "cascade.json").read_text())["tasks"]["reviews"]
+    got = {}
+    for policy in ("tabi", "tabi-large", "tabi-cocktail"):
+        out = run("simulate", "--policy", policy, "--task", "reviews", "--trace", "poisson", "--rate", "2",
+                  "--requests", "2000")
+        assert out.returncode == 0, out.stderr[-2000:]
+        got[policy] = json.loads(out.stdout)
+        assert got[policy]["requests"] == 2000
+    assert 0 < got["tabi"]["exit_shares"][0] < 1
+    assert got["tabi-large"]["exit_shares"] == [1.0]
+    assert got["tabi-cocktail"]["exit_shares"] == [0.0, 0.0, 0.0, 1.0]
+    assert got["tabi"]["mean_latency_ms"] < got["tabi-large"]["mean_latency_ms"]
+    assert abs(got["tabi"]["accuracy"] - profile["test"]["tabi"]["accuracy"]) < 0.02
+    assert abs(got["tabi-large"]["accuracy"] - profile["test"]["tabi-large"]["accuracy"]) < 1e-9
