@@ -483,10 +483,18 @@ def _simulate_cascade(args) -> int:
     return 0
 
 
+SIM_COST_MODEL = "compiled_cache/cost_model.json"
+
+
 def cmd_simulate(args) -> int:
     """Run a policy on a virtual clock with the profiled cost model."""
-    if args.policy in CASCADE_POLICIES:
+    if args.policy in CASCADE_POLICIES:  # priced by the cascade profile: no cost model needed
         return _simulate_cascade(args)
+    if args.cost_model is None:
+        if not Path(SIM_COST_MODEL).is_file():
+            raise CliError(f"--cost-model: {SIM_COST_MODEL} does not exist; `jaxserve warmup` or `jaxserve profile` "
+                           "writes it, or pass --cost-model FILE")
+        args.cost_model = SIM_COST_MODEL
     if args.policy in ASYFUNC_POLICIES:
         return _simulate_asyfunc(args)
     if args.policy in QUART_POLICIES:
@@ -806,7 +814,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.set_defaults(fn=cmd_train_prompts)
 
     sp = sub.add_parser("simulate", help="run a policy on a virtual clock")
-    sp.add_argument("--cost-model", type=_existing_file, default="compiled_cache/cost_model.json")
+    sp.add_argument("--cost-model", type=_existing_file, default=None,
+                    help=f"the profiled cost model (default {SIM_COST_MODEL}, written by warmup or profile; the "
+                         "cascade policies price steps with their cascade profile instead)")
     sp.add_argument("--sim-model", default=None,
                     help="the model to simulate (default: vit-demo under the OTAS policies, else minilm-l6)")
     sp.add_argument("--trace", default="poisson", help="poisson | mmpp | gamma | path to a trace CSV")

@@ -509,3 +509,18 @@ def test_simulate_runs_the_cascade_policies_on_the_shipped_profile():
     assert got["tabi"]["mean_latency_ms"] < got["tabi-large"]["mean_latency_ms"]
     assert abs(got["tabi"]["accuracy"] - profile["test"]["tabi"]["accuracy"]) < 0.02
     assert abs(got["tabi-large"]["accuracy"] - profile["test"]["tabi-large"]["accuracy"]) < 1e-9
+
+
+def test_simulate_without_a_cost_model_says_which_file_is_missing_and_the_cascade_needs_none(tmp_path):
+    """From a directory without compiled_cache/ (a fresh clone before warmup): the cost-model
+    policies stop with one clear line; the cascade policies, priced by their profile, run."""
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    cmd = [sys.executable, "-m", "jaxserve.cli", "simulate", "--requests", "50"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 2 and "compiled_cache/cost_model.json does not exist" in out.stderr, out.stderr[-2000:]
+    out = subprocess.run([*cmd, "--policy", "tabi", "--task", "tweets"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["requests"] == 50
