@@ -63,14 +63,15 @@ def cocktail_like(task: str) -> dict:
     instance, as this engine (and the live bench) serves it."""
     from jaxserve.registry import ASSETS
     from jaxserve.sched.base import bucket_for_length
+    from jaxserve.sched.tabi import choose, ensemble, load_cascade_profile
 
     profile = json.loads((PROFILES / "cascade.json").read_text())["tasks"][task]
-    singles = {c["levels"][0]: c["accuracy"] for c in profile["candidates"] if len(c["levels"]) == 1}
+    cand = choose("tabi-cocktail", load_cascade_profile(PROFILES / "cascade.json")[task])  # the policy's ensemble
     with np.load(ASSETS / "cascade" / f"{task}-replay.npz") as z:
         labels = z["labels"]
-        mix = sum(singles[m] * z[f"probs/{m}"].astype(np.float64) for m in singles) / sum(singles.values())
+        mix = ensemble([z[f"probs/{m}"].astype(np.float64) for m in cand.levels], cand.weights[-1])
         lat = np.zeros(len(labels))
-        for m in singles:
+        for m in cand.levels:
             buckets = sorted(int(b) for b in profile["bucket_ms"][m])
             ms = np.array([profile["bucket_ms"][m][str(bucket_for_length(int(n), buckets))] for n in z[f"length/{m}"]])
             lat = np.maximum(lat, ms)
