@@ -39,7 +39,6 @@ from tqdm import tqdm
 
 from bench.common import add_quick, apply_quick, record, table
 from jaxserve.compile_cache import compile_count, compile_seconds
-from jaxserve.datasets import load_tweets
 from flax import nnx
 
 from jaxserve.models.bert import BERT_CONFIGS, init_bert, load_hf_bert, make_encode_fn
@@ -58,6 +57,8 @@ def sample_tokens(n: int, seed: int, max_len: int = 256, lengths_file: str | Non
         lengths = np.load(lengths_file)
         pick = np.minimum(np.random.default_rng(seed).choice(lengths, size=n, replace=False), max_len)
         return [[101] + [1000] * (int(n_) - 2) + [102] for n_ in pick]
+    from jaxserve.datasets import load_tweets  # here: a GPU host has neither the corpus nor grain
+
     tok = TextTokenizer(minilm_dir() / "tokenizer.json")
     texts, _ = load_tweets()
     idx = np.random.default_rng(seed).choice(len(texts), size=n, replace=False)

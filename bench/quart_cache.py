@@ -58,12 +58,14 @@ STAGES = 8
 MB = 1e6
 
 
-def stage_params(model: str):
-    """(stages, {stage: numpy params}) of ``model`` cut into :data:`STAGES` stages."""
+def stage_params(model: str, ray_free: bool = False):
+    """(stages, {stage: numpy params}) of ``model`` cut into :data:`STAGES` stages; ``ray_free``:
+    the same arrays without the KeysManager's string-keyed layout (a host without Ray)."""
+    import jax
+    import numpy as np
     from flax import nnx
 
     from jaxserve.models.bert import BERT_CONFIGS, abstract_bert_stage, init_bert
-    from jaxserve.keys_manager import params_from_state
     from jaxserve.sched.quart import cut_stages
     from jaxserve.stages import slice_stage_weights
 
@@ -76,6 +78,10 @@ def stage_params(model: str):
         cfg, net, _ = load_text_model(model)
     _, weights = nnx.split(net)
     stages = cut_stages(model, [1.0] * cfg.num_layers, STAGES)
+    if ray_free:
+        params_from_state = lambda state: jax.tree.map(np.asarray, nnx.to_pure_dict(state))  # noqa: E731
+    else:
+        from jaxserve.keys_manager import params_from_state
     out = {}
     for stage in stages:
         _, abstract = abstract_bert_stage(cfg, stage.start, stage.stop)
@@ -178,7 +184,7 @@ def host_to_device(models: list[str], repeats: int) -> tuple[str, str]:
     dev = jax.devices()[0]
     rows, total_mb, total_s = [], 0.0, 0.0
     for model in models:
-        stages, params = stage_params(model)
+        stages, params = stage_params(model, ray_free=True)
         for stage in stages:
             host = params[stage]
             mb = sum(a.nbytes for a in jax.tree.leaves(host)) / MB
