@@ -141,31 +141,23 @@ def make_policies(cost, grid, variants=None, switch_seconds: float = 0.0) -> dic
 
 
 def score(result, workload: Workload, correct: dict, variant_correct: dict | None = None) -> dict:
-    """Utility, outcome types and gamma shares of one simulated run (see module docstring)."""
-    from jaxserve.simulator import EVICTED, LATE, OK, REJECTED
+    """Utility, outcome types and gamma shares of one simulated run (see module docstring), scored by
+    the library's :func:`jaxserve.simulator.utility_score` with each request's real correctness."""
+    from jaxserve.simulator import OK, utility_score
 
     trace = workload.trace
     n = len(trace)
-    ok = result.outcome == OK
     right = np.zeros(n, bool)
-    for i in np.nonzero(ok)[0]:
+    for i in np.nonzero(result.outcome == OK)[0]:
         task, g = str(trace.task[i]), int(result.cell_gamma[i])
         table_ = correct if variant_correct is None else variant_correct[int(result.batch[i])]
         right[i] = table_[(task, g)][workload.image[i]]
-    types = np.full(n, 4)
-    types[ok & right] = 1
-    types[ok & ~right] = 2
-    types[result.outcome == LATE] = 3
-    types[(result.outcome == EVICTED) | (result.outcome == REJECTED)] = 4
-    gained = np.where(types == 1, trace.utility, 0.0)
+    scored = utility_score(result, trace, correct=right)
     order = np.argsort(result.finish)
-    ran = result.outcome <= LATE
-    gammas, counts = np.unique(result.cell_gamma[ran], return_counts=True)
     return {
-        "utility": float(gained.sum()), "max_utility": float(trace.utility.sum()),
-        "types": {t: float(np.mean(types == t)) for t in (1, 2, 3, 4)},
-        "gamma_share": {int(g): float(c / max(ran.sum(), 1)) for g, c in zip(gammas, counts)},
-        "curve": (result.finish[order], np.cumsum(gained[order])),
+        "utility": scored.utility, "max_utility": scored.max_utility,
+        "types": dict(scored.types), "gamma_share": dict(scored.gamma_share),
+        "curve": (result.finish[order], np.cumsum(scored.gained[order])),
         "mean_batch": result.mean_batch_size(),
     }
 

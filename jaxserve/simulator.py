@@ -61,11 +61,12 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from jaxserve.sched.base import (Batch, Cell, CostModel, PlacementChange, Policy, Request, Stage, StepSummary,
-                                 WorkerView)
+from jaxserve.sched.base import (AccuracyProfile, Batch, Cell, CostModel, PlacementChange, Policy, Request, Stage,
+                                 StepSummary, WorkerView)
 from jaxserve.traces import Trace
 
-__all__ = ["OUTCOMES", "OK", "LATE", "EVICTED", "REJECTED", "WITHDRAWN", "ABANDONED", "SimResult", "simulate"]
+__all__ = ["OUTCOMES", "OK", "LATE", "EVICTED", "REJECTED", "WITHDRAWN", "ABANDONED", "SimResult", "UtilityScore",
+           "simulate", "utility_score"]
 
 OUTCOMES = ("ok", "late", "evicted", "rejected", "withdrawn", "abandoned")
 OK, LATE, EVICTED, REJECTED, WITHDRAWN, ABANDONED = range(6)
@@ -237,6 +238,82 @@ class SimResult:
             "padding_ratio": self.padding_ratio(),
             "utilization": self.utilization(),
         }
+
+
+@dataclass(frozen=True, eq=False)
+class UtilityScore:
+    """The OTAS paper's read-out of one run (Sec. V): utility earned, outcome types, gammas.
+
+    ``utility``: sum of u_r over requests answered on time *and* correctly (their
+    ``gained``, per request); ``max_utility``: sum of u_r over all requests. ``types``:
+    share of all requests of each outcome type (:class:`~jaxserve.sched.otas.OutcomeType`;
+    1 correct on time, 2 wrong on time, 3 ran but late or abandoned, 4 never ran: evicted,
+    rejected or withdrawn), summing to 1. ``gamma_share``: share of the answered requests
+    (ok or late) that ran at each gamma, summing to 1 (empty if none was answered).
+    """
+
+    utility: float
+    max_utility: float
+    types: Mapping[int, float]
+    gamma_share: Mapping[int, float]
+    gained: np.ndarray
+
+    @property
+    def utility_share(self) -> float:
+        """``utility / max_utility`` (nan for a trace worth nothing)."""
+        return self.utility / self.max_utility if self.max_utility > 0 else math.nan
+
+    def summary(self) -> dict:
+        """Flat and JSON-ready (gammas as keys), for tables and the simulate command."""
+        return {
+            "utility": self.utility,
+            "max_utility": self.max_utility,
+            "utility_share": self.utility_share,
+            "outcome_type_shares": {str(t): s for t, s in self.types.items()},
+            "gamma_shares": {f"{g:+d}" if g else "0": s for g, s in self.gamma_share.items()},
+        }
+
+
+def utility_score(result: SimResult, trace: Trace, *, correct: np.ndarray | None = None,
+                  accuracy: AccuracyProfile | None = None) -> UtilityScore:
+    """Utility, outcome types and gamma shares of ``result``, a run of ``trace`` (OTAS Sec. V).
+
+    Correctness is known one of two ways, pass exactly one: ``correct``, a bool per request
+    (whether its answer, at the gamma it ran with, is right: known labels), or ``accuracy``,
+    the profiled accuracy per (task, gamma), which makes every on-time request correct with
+    that probability: its type 1 and 2 shares and its utility are then the expected ones
+    (``accuracy * u_r``, the utility OTAS plans for).
+    """
+    if (correct is None) == (accuracy is None):
+        raise ValueError("pass exactly one of correct (per request) and accuracy (a profile)")
+    n = len(trace)
+    if len(result) != n:
+        raise ValueError(f"the result has {len(result)} requests, the trace {n}")
+    ok = result.outcome == OK
+    p_right = np.zeros(n)
+    if correct is not None:
+        correct = np.asarray(correct, dtype=bool)
+        if correct.shape != (n,):
+            raise ValueError(f"correct needs one bool per request ({n})")
+        p_right[ok] = correct[ok]
+    else:
+        cache: dict[tuple[str, int], float] = {}
+        for i in np.nonzero(ok)[0]:
+            key = (str(trace.task[i]), int(result.cell_gamma[i]))
+            if key not in cache:
+                cache[key] = accuracy.of(*key)
+            p_right[i] = cache[key]
+    late = (result.outcome == LATE) | (result.outcome == ABANDONED)
+    types = {1: float(p_right.sum()), 2: float((ok.sum() - p_right.sum())), 3: float(late.sum())}
+    types[4] = float(n - ok.sum() - late.sum())
+    types = {t: c / n if n else math.nan for t, c in types.items()}
+    answered = result.completed()
+    gammas, counts = np.unique(result.cell_gamma[answered], return_counts=True)
+    total = max(int(answered.sum()), 1)
+    gained = p_right * trace.utility
+    return UtilityScore(
+        utility=float(gained.sum()), max_utility=float(trace.utility.sum()), types=types,
+        gamma_share={int(g): float(c / total) for g, c in zip(gammas, counts)}, gained=gained)
 
 
 def simulate(
