@@ -73,7 +73,7 @@ from jaxserve.sched import (ASYFUNC_POLICIES, CASCADE_POLICIES, IMAGE_POLICIES, 
 from jaxserve.sched.tabi import load_cascade_profile
 from jaxserve.sched.base import Cell, CostModel, ShapeGrid
 from jaxserve.servables import bert_servable, weights_of
-from jaxserve.simulator import simulate
+from jaxserve.simulator import simulate, utility_score
 from jaxserve.stages import build_stage_runtimes, split_stages
 
 
@@ -530,6 +530,8 @@ def cmd_simulate(args) -> int:
                       client_timeout=args.client_timeout_ms / 1e3 if args.client_timeout_ms else math.inf)
     wall = time.perf_counter() - t0
     summary = _with_units(result.summary())
+    if args.policy in IMAGE_POLICIES:  # OTAS Sec. V's read-out; no labels here, so the expected one
+        summary.update(utility_score(result, trace, accuracy=cost.accuracy[model]).summary())
     summary["wall_seconds"] = wall
     summary["simulated_requests_per_minute"] = len(trace) / wall * 60
     print(json.dumps(summary, indent=1, default=float))

@@ -128,3 +128,33 @@ def test_otas_merges_tokens_more_during_the_bursts_of_one_trace():
     assert len(calm_gamma) > 100 and len(burst_gamma) > 1000
     assert np.mean(burst_gamma < 0) > np.mean(calm_gamma < 0), (np.mean(burst_gamma < 0), np.mean(calm_gamma < 0))
     assert np.mean(calm_gamma > 0) > np.mean(burst_gamma > 0), (np.mean(calm_gamma > 0), np.mean(burst_gamma > 0))
+
+
+def test_simulate_command_prints_utility_outcome_types_and_gamma_shares(capsys):
+    """`jaxserve simulate --policy otas|pets|tome|vpt` (issue 23) prints, besides latency and SLO
+    attainment, utility (total and share of the maximum), the outcome types' shares and the gamma
+    shares, scored as utility_score scores them; here on the shipped demo profile as measured."""
+    import json
+
+    from jaxserve.cli import main
+
+    cost_model = str(ROOT / "bench" / "otas_cost_vit-demo.json")
+    seen = {}
+    for policy in ("otas", "pets", "tome", "vpt"):
+        code = main(["simulate", "--cost-model", cost_model, "--policy", policy, "--trace", "mmpp", "--rate", "2000",
+                     "--requests", "2000", "--slo-ms", "60"])
+        assert code == 0
+        out = json.loads(capsys.readouterr().out)
+        for key in ("slo_attainment", "mean_latency_ms", "utility", "max_utility", "utility_share",
+                    "outcome_type_shares", "gamma_shares"):
+            assert key in out, (policy, key)
+        assert out["max_utility"] == 2000  # a synthetic trace: every request is worth 1
+        assert 0 < out["utility"] <= out["max_utility"]
+        assert out["utility_share"] == out["utility"] / out["max_utility"]
+        types = out["outcome_type_shares"]
+        assert sorted(types) == ["1", "2", "3", "4"] and abs(sum(types.values()) - 1) < 1e-9
+        assert types["4"] * out["requests"] == out["evicted"] + out["rejected"] + out["withdrawn"]
+        assert abs(sum(out["gamma_shares"].values()) - 1) < 1e-9
+        seen[policy] = out["gamma_shares"]
+    assert seen["pets"] == {"0": 1.0} and seen["vpt"] == {"+2": 1.0} and seen["tome"] == {"-4": 1.0}
+    assert any(g.startswith("-") for g in seen["otas"]) and any(g.startswith("+") for g in seen["otas"])
