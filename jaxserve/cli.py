@@ -312,7 +312,7 @@ def cmd_serve(args) -> int:
     settings = ServeSettings(
         models=_models(args), cache_dir=args.cache_dir, policy=args.policy, instances=args.instances,
         max_queue=args.max_queue, max_wait_ms=args.max_wait_ms, cost_model=args.cost_model, precision=args.precision,
-        api_key=args.api_key, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+        correct_prices=not args.no_price_correction, api_key=args.api_key, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         **{k: getattr(args, k) for k in ("max_body_bytes", "header_timeout_s", "body_timeout_s", "drain_grace_s")
            if getattr(args, k) is not None},  # unset: ServeSettings' defaults
         **_served(args), extra=_otas_extra(args),
@@ -757,6 +757,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="log one line per request (off by default: /metrics counts requests, and the log "
                          "line costs the event loop under load)")
     sp.add_argument("--cost-model", type=_existing_file, default=None)
+    sp.add_argument("--no-price-correction", action="store_true",
+                    help="plan with the cost model's prices as profiled (default: with the prices the engine "
+                         "measures, each cell's profile times its measured/profiled ratio; /metrics "
+                         "jaxserve_price_ratio shows them either way)")
     sp.add_argument("--api-key", type=_api_key, default=os.environ.get("JAXSERVE_API_KEY") or None,
                     help="require 'Authorization: Bearer KEY' on every route but the probes, /metrics and the "
                          "docs (default: $JAXSERVE_API_KEY; unset: open). The variable keeps the key out of ps")

@@ -23,6 +23,11 @@ Guarantees (tested through HTTP in tests/integration/test_server.py, and in test
   restarted; the failed worker is restarted (``worker_restarts``). If the retry fails
   too its items are answered with an error;
 * :meth:`Engine.drain` stops admission and waits for in-flight work (SIGTERM path);
+* with a ``cost_model`` (the one the policy was built with), each whole-model step's
+  measured time is compared with its cell's profiled price (:mod:`jaxserve.cost_drift`):
+  the policy gets the corrected cost model through ``Policy.reprice`` whenever a
+  correction moved by more than 5 %, and a model whose prices are off by more than 30 %
+  either way is logged as a warning (once per crossing), saying how to re-profile;
 * :meth:`Engine.withdraw` takes back items whose client went away while they were
   queued or held between steps: the policy forgets them, they never run again, and
   their futures are cancelled (outcome ``withdrawn``). Items already running finish;
@@ -52,8 +57,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from jaxserve.compile_cache import compile_count
+from jaxserve.cost_drift import WARN_RATIO, CostDrift
 from jaxserve.runtime import ModelRuntime
-from jaxserve.sched.base import Batch, PlacementChange, Plan, Policy, Request, Stage, WorkerView
+from jaxserve.sched.base import Batch, CostModel, PlacementChange, Plan, Policy, Request, Stage, WorkerView
 from jaxserve.stages import Activations
 from jaxserve.workers import Step, StepOutput, ThreadWorker, Worker, summarize
 
@@ -155,6 +161,8 @@ class Engine:
         workers: Sequence[Worker] | None = None,
         worker_factory: Callable[[int], Worker] | None = None,
         catalog: Callable[[Stage], Any] | None = None,
+        cost_model: CostModel | None = None,
+        correct_prices: bool = True,
     ):
         """``workers``: the workers to run steps on (ids 0..n-1 in order); default:
         ``instances`` in-process :class:`~jaxserve.workers.ThreadWorker` s, each holding
@@ -167,7 +175,12 @@ class Engine:
         own (Triton's default queue timeout; TF Serving's per-request deadline with a server
         default). Clients that send none (OpenAI's embeddings API has no such field)
         then get one too, so the policy evicts what can no longer finish in time
-        instead of computing it for a client that has given up. None: no deadline."""
+        instead of computing it for a client that has given up. None: no deadline.
+
+        ``cost_model``: the prices the policy was built with; given, the engine measures
+        each whole-model step against them (``self.drift``, a
+        :class:`~jaxserve.cost_drift.CostDrift`, also read by ``/metrics``) and, with
+        ``correct_prices``, hands the policy the corrected prices (``Policy.reprice``)."""
         if workers is None and instances < 1:
             raise ValueError("instances must be >= 1")
         if default_slo_ms is not None and not (default_slo_ms > 0 and math.isfinite(default_slo_ms)):
@@ -204,6 +217,9 @@ class Engine:
         self._busy_since: float | None = None
         self._idle_event: asyncio.Event | None = None
         self.compiles_at_ready = compile_count()
+        self.drift = CostDrift(cost_model) if cost_model is not None else None
+        self.correct_prices = correct_prices
+        self._drift_warned: set[str] = set()  # models whose prices are off by more than WARN_RATIO
         self.policy.on_workers(self.worker_views(), self.clock())
 
     # ------------------------------------------------------------- placement
@@ -547,6 +563,8 @@ class Engine:
             out: StepOutput = f.result()
             for obs in self.stats.observers:
                 obs(batch, out, pendings, now - started)
+            if self.drift is not None:
+                self._measure_price(batch, out.compute_seconds, now)
             summaries = summarize(out.items, len(pendings))
             for i, p in enumerate(pendings):
                 p.compute_s += out.compute_seconds
@@ -566,6 +584,35 @@ class Engine:
         if not self._queued and not self._held and not any(self._running.values()):
             self._busy_since = None  # idle: the next busy spell measures its own rate
             self._left_queue.clear()
+
+    def _measure_price(self, batch: Batch, seconds: float, now: float) -> None:
+        """Compare a step's time with its cell's price; reprice the policy when due, and warn
+        once per crossing when a model's prices are off by more than WARN_RATIO."""
+        model = batch.model
+        if batch.stage is not None and batch.stage != self.whole_stage(model):
+            return  # a layer range: not a profiled cell
+        if self.policy.service_time(batch) is not None:
+            return  # the policy prices this batch itself (DT's emulated dynamic shapes)
+        if not self.drift.observe(model, batch.cell, seconds):
+            return
+        off = self.drift.outside(model)
+        if off and model not in self._drift_warned:
+            self._drift_warned.add(model)
+            log.warning("%s runs %.2fx its profiled prices (over %d steps; warned beyond %.1fx either way): the cost "
+                        "model was taken on a machine in another state. Re-profile on a quiet machine: `jaxserve "
+                        "profile --model %s --out FILE` and serve with --cost-model FILE, or delete the cache's "
+                        "cost_model.json and restart.%s", model, self.drift.model_ratio(model),
+                        self.drift.samples(model), WARN_RATIO, model,
+                        " Until then the policy plans with the measured prices." if self.correct_prices else "")
+        elif not off and model in self._drift_warned:
+            self._drift_warned.discard(model)
+            log.info("%s runs %.2fx its profiled prices again", model, self.drift.model_ratio(model))
+        if self.correct_prices and self.drift.due(model, batch.cell):
+            try:
+                self.policy.reprice(self.drift.corrected(), now)
+            except Exception:  # a policy bug must not strand the batch's answers
+                log.exception("policy.reprice failed")
+            self.drift.mark_pushed()
 
     def _answer(self, p: _Pending, now: float) -> None:
         if p.future.done():

@@ -61,6 +61,8 @@ class ServeSettings:
     ssl_certfile: str | None = None  # with ssl_keyfile: serve HTTPS
     ssl_keyfile: str | None = None
     cost_model: str | None = None
+    # plan with the prices the engine measures (profiled x measured/profiled per cell; jaxserve.cost_drift)
+    correct_prices: bool = True
     precision: str = "f32"  # dense-kernel dtype of every model: "f32" or "bf16" (jaxserve.models.precision)
     tune: bool = True  # warmup times each cell's alternative compile options and keeps the fastest (PolymorphTable)
     progress: bool = True
@@ -378,7 +380,7 @@ def build_engine(settings: ServeSettings, stop: Callable[[], bool] | None = None
     workers, factory = make_workers(settings, runtimes)
     return Engine(engine_runtimes(policy, runtimes), policy, instances=settings.instances,
                   max_queue=settings.max_queue, default_slo_ms=settings.slo_ms, workers=workers,
-                  worker_factory=factory)
+                  worker_factory=factory, cost_model=cost, correct_prices=settings.correct_prices)
 
 
 def start_workers_runtime(settings: ServeSettings) -> None:

@@ -61,6 +61,7 @@ class _EngineCollector:
         g.add_metric([], eng.stats.worker_restarts)
         yield g
         yield from _worker_metrics(eng)
+        yield from _price_metrics(eng)
         families: dict = {}  # one family per name (a policy yields one series per label set)
         for name, labels, value in eng.policy.metrics():
             g = families.get(name)
@@ -69,6 +70,27 @@ class _EngineCollector:
                                                        labels=list(labels))
             g.add_metric(list(labels.values()), value)
         yield from families.values()
+
+
+def _price_metrics(eng):
+    """Measured against profiled prices (jaxserve.cost_drift): per model and per measured cell."""
+    if eng.drift is None:
+        return
+    model = GaugeMetricFamily("jaxserve_price_ratio", "measured / profiled step time per model (running "
+                              "log-mean over its cells; 1 until 8 steps); the engine logs a warning past 1.3x "
+                              "either way", labels=["model"])
+    cell = GaugeMetricFamily("jaxserve_price_ratio_cell", "measured / profiled step time per cell (its model's "
+                             "until the cell has 8 steps)", labels=["model", "cell"])
+    steps = GaugeMetricFamily("jaxserve_price_ratio_steps", "steps measured per cell", labels=["model", "cell"])
+    for name in eng.runtimes:
+        if name in eng.drift.cost_model.latency:
+            model.add_metric([name], eng.drift.model_ratio(name))
+    for name, c, ratio, n in eng.drift.rows():
+        cell.add_metric([name, c.label()], ratio)
+        steps.add_metric([name, c.label()], n)
+    reprices = GaugeMetricFamily("jaxserve_price_reprices", "times the policy was handed corrected prices")
+    reprices.add_metric([], eng.drift.reprices)
+    yield from (model, cell, steps, reprices)
 
 
 def _worker_metrics(eng):

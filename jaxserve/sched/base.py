@@ -225,6 +225,13 @@ class Policy:
         shapes); None (default): the cost model's."""
         return None
 
+    def reprice(self, cost_model: "CostModel", now: float) -> None:
+        """The live engine measured prices other than the profiled ones: plan with
+        ``cost_model`` from now on (the profile with each cell times its measured ratio,
+        :mod:`jaxserve.cost_drift`; same models and cells). Called on the loop thread between
+        plans, never by the simulator. Default: nothing (the policy keeps its start-up prices;
+        the engine still measures and reports the drift)."""
+
     def on_workers(self, workers: Sequence[WorkerView], now: float) -> None:
         """The workers and what each holds: called once before the first plan and after
         every placement change. Default: nothing (one-stage policies see only ids)."""

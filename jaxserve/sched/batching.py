@@ -164,20 +164,11 @@ class DeadlineBatching(Policy):
         self._depth: dict[str, int] = {}
         self._total = 0
         for model, grid in self.grids.items():
-            profile = cost_model.latency[model]
             gamma = 0 if 0 in grid.gammas else grid.gammas[0]
             model_queues = []
             for seq in grid.seq_buckets or (0,):
-                cells = [Cell(0, seq, gamma)]  # index 0 unused
-                latency = [0.0]
-                for k in range(1, grid.max_batch + 1):
-                    cell = grid.cell_for(k, seq, gamma)
-                    t = profile.seconds.get(cell)
-                    if t is None:
-                        t = profile.latency_for(cell.batch, cell.seq, cell.gamma)
-                    cells.append(cell)
-                    latency.append(float(t))
-                queue = _BucketQueue(model, seq, cells, latency)
+                cells = [Cell(0, seq, gamma)] + [grid.cell_for(k, seq, gamma) for k in range(1, grid.max_batch + 1)]
+                queue = _BucketQueue(model, seq, cells, self._prices(cost_model, model, cells))
                 queue.smaller = list(model_queues)
                 model_queues.append(queue)
             self._queues.extend(model_queues)
@@ -189,6 +180,25 @@ class DeadlineBatching(Policy):
             else:
                 self._by_length[model] = model_queues  # every length -> the one queue
             self._depth[model] = 0
+
+    @staticmethod
+    def _prices(cost_model: CostModel, model: str, cells: list[Cell]) -> list[float]:
+        """Predicted latency of each of a queue's cells (index 0 unused): the cell's price, or
+        ``latency_for``'s interpolation where the cell was not profiled."""
+        profile = cost_model.latency[model]
+        out = [0.0]
+        for cell in cells[1:]:
+            t = profile.seconds.get(cell)
+            out.append(float(profile.latency_for(cell.batch, cell.seq, cell.gamma) if t is None else t))
+        return out
+
+    def reprice(self, cost_model: CostModel, now: float) -> None:
+        """Plan with ``cost_model``'s prices from now on (the engine's measured correction):
+        every queue's predicted batch latencies, hence its dispatch-by and eviction times."""
+        for q in self._queues:
+            q.latency = self._prices(cost_model, q.model, q.cells)
+            q.latency1 = q.latency[1]
+        self.cost_model = cost_model
 
     # -- admission -----------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """The engine with real executables: failures, restarts, draining, exactly one answer each."""
 
 import asyncio
+import logging
 import math
 
 import numpy as np
@@ -10,9 +11,10 @@ from jaxserve.engine import Answer, Draining, Engine, ExecutionFailed, Item, Ove
 from jaxserve.models.bert import BERT_CONFIGS, BertConfig, init_bert
 from jaxserve.polymorph import PolymorphTable
 from jaxserve.runtime import TextRuntime
-from jaxserve.sched.base import CostModel, LatencyProfile, ShapeGrid
+from jaxserve.sched.base import Cell, CostModel, LatencyProfile, ShapeGrid
 from jaxserve.sched.batching import DeadlineBatching
 from jaxserve.servables import bert_servable, weights_of
+from serving.metrics import _price_metrics
 
 GRID = ShapeGrid(batch_sizes=(1, 4), seq_buckets=(16,))
 CFG = BERT_CONFIGS["bert-tiny-test"]
@@ -220,3 +222,40 @@ def test_a_request_refused_by_the_policy_leaves_nothing_of_itself_queued(table):
         engine.close()
 
     asyncio.run(scenario())
+
+
+def test_measured_prices_reach_the_policy_and_a_far_off_profile_is_warned_about(table, caplog):
+    """A profile pricing every cell at 1 us (no executable of this model runs that fast): after
+    the first steps the engine measures the real ratio, hands the policy the corrected prices
+    (Policy.reprice), logs a warning once, and /metrics shows the ratio; with correct_prices off
+    it measures and warns but the policy keeps the profile."""
+    one_us = CostModel({"tiny": LatencyProfile("tiny", {c: 1e-6 for c in GRID.cells()})})
+    weights = weights_of(init_bert(CFG))
+
+    async def scenario(correct: bool):
+        policy = DeadlineBatching({"tiny": GRID}, one_us, max_queue=64)
+        engine = Engine({"tiny": TextRuntime("tiny", table, weights)}, policy, cost_model=one_us,
+                        correct_prices=correct)
+        for _ in range(12):  # one at a time: 12 steps of the (1, 16) cell
+            assert [a.outcome for a in await asyncio.gather(*engine.submit(items(1)))] == ["ok"]
+        engine.close()
+        return engine, policy
+
+    cell = Cell(1, 16)
+    with caplog.at_level(logging.WARNING, logger="jaxserve.engine"):
+        engine, policy = asyncio.run(scenario(True))
+    ratio = engine.drift.ratio("tiny", cell)
+    assert ratio > 10
+    assert engine.drift.reprices >= 1 and policy.cost_model is not one_us
+    # pushed whenever the ratio moved by more than 5 %: the policy's price is within 5 % of the measured one
+    assert policy.cost_model.latency["tiny"].latency(cell) == pytest.approx(1e-6 * ratio, rel=0.051)
+    warnings = [r for r in caplog.records if "its profiled prices" in r.getMessage()]
+    assert len(warnings) == 1 and "jaxserve profile" in warnings[0].getMessage()
+    families = {f.name: f for f in _price_metrics(engine)}
+    assert families["jaxserve_price_ratio"].samples[0].value == pytest.approx(engine.drift.model_ratio("tiny"))
+    by_cell = {s.labels["cell"]: s.value for s in families["jaxserve_price_ratio_cell"].samples}
+    assert by_cell[cell.label()] == pytest.approx(ratio)
+
+    engine, policy = asyncio.run(scenario(False))
+    assert engine.drift.ratio("tiny", cell) > 10
+    assert engine.drift.reprices == 0 and policy.cost_model is one_us

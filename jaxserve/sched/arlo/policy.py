@@ -409,6 +409,18 @@ class ArloPolicy(Policy):
                 return True
         return False
 
+    def reprice(self, cost_model: CostModel, now: float) -> None:
+        """Plan with the engine's measured prices: the groups' queues (their dispatch-by and
+        eviction times) and the group solver's queueing estimate take ``cost_model`` from now
+        on. Each runtime's max batch and the paper deployment's Eq. 1-7 curves stay as
+        profiled: they shape the runtimes, which a price correction does not re-cut."""
+        self._cost_model = cost_model
+        for b in self._batchers.values():
+            b.reprice(cost_model, now)
+        if isinstance(self.runtime, GroupScheduler):
+            self.runtime.groups = GroupCostModel(cost_model.latency[self.model], self.buckets, self.grid.batch_sizes,
+                                                 self.level_max_batch, self.slo)
+
     def _batcher(self, level: int) -> DeadlineBatching:
         """The queues of the group whose longest runtime is ``level``: deadline batching over
         runtimes ``0..level`` (a request demoted from a shorter group still runs in its own
