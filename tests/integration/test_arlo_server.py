@@ -64,7 +64,12 @@ def test_arlo_answers_everything_once_across_reallocations(workdir):
     """Two waves of short requests, a Runtime-Scheduler period apart: one runtime group of every
     bucket serves them (each item in its own bucket, on whichever instance is idle), the groups are
     re-solved while requests are queued, and every item is answered exactly once."""
-    with LiveServer(settings(workdir, "arlo", arlo_period_s=0.3)) as server:
+    period = 0.3
+    with LiveServer(settings(workdir, "arlo", arlo_period_s=period)) as server:
+        # The engine takes its clock as an argument: the server's runs on the real one plus an offset
+        # this test moves, so "a period passes" is a step of that clock, not a sleep.
+        engine, skipped = server.app.state.jaxserve.engine, [0.0]
+        engine.clock = lambda: time.monotonic() + skipped[0]
         models = httpx.get(server.url + "/v1/models").json()
         assert models["policy"] == "ArloPolicy"
         m0 = httpx.get(server.url + "/metrics").text
@@ -73,7 +78,7 @@ def test_arlo_answers_everything_once_across_reallocations(workdir):
 
         first = [{"input": [words(3 + i % 10)] * (1 + i % 3)} for i in range(60)]
         results = post_all(server.url, first)
-        time.sleep(0.4)  # a period passes: the next callbacks re-solve the allocation
+        skipped[0] += period  # a period passes (nothing is queued or running): the next callbacks re-solve
         second = [{"input": [words(3 + i % 10), words(40)][: 1 + i % 2]} for i in range(60)]
         results += post_all(server.url, second)
 

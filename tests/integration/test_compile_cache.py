@@ -193,33 +193,46 @@ _ENTRY_WRITER = """
 import os, sys
 from jaxserve.compile_cache import CompileCache
 cache = CompileCache(sys.argv[1], use_xla_cache=False)
-for i in range(int(sys.argv[2])):
+stop, who, i = sys.argv[2], sys.argv[3], 0
+while not os.path.exists(stop):  # until the reader has seen enough
     payload = os.urandom(1 << 16)  # serialized executables differ byte for byte between processes too
-    cache._write_entry("k", payload, {"model": "m", "i": i})
+    cache._write_entry("k", payload, {"model": "m", "who": who, "i": i})
+    i += 1
 """
 
 
 def test_a_reader_racing_two_writers_of_one_key_never_sees_a_checksum_failure(cache_dir):
     """Two warmup jobs store one key while a server loads it. A checksum kept beside the payload
     (a second file, replaced separately) paired one writer's payload with the other's checksum:
-    a good entry reported corrupt and deleted. The checksum inside the .bin cannot be paired wrong."""
+    a good entry reported corrupt and deleted. The checksum inside the .bin cannot be paired wrong.
+    The writers write until told to stop, and the reader stops once it has read the entry 300 times
+    while each writer stored it at least 100 times more (the sidecars it saw say so): an overlap
+    made sure of by events, whatever the machine's load."""
     cache = CompileCache(cache_dir, use_xla_cache=False)
-    writers = [subprocess.Popen([sys.executable, "-c", _ENTRY_WRITER, str(cache_dir), "1500"],
-                                stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    reads, failures = 0, []
+    stop = cache_dir.parent / "stop-writing"
+    writers = [subprocess.Popen([sys.executable, "-c", _ENTRY_WRITER, str(cache_dir), str(stop), who],
+                                stderr=subprocess.PIPE, text=True) for who in "ab"]
+    reads, failures, first, last = 0, [], {}, {}
+    deadline = time.monotonic() + 600  # only if the writers never get going
     try:
-        while any(w.poll() is None for w in writers):
+        while reads < 300 or any(last.get(w, -1) - first.get(w, 0) < 100 for w in "ab"):
+            assert all(w.poll() is None for w in writers), "a writer died"
+            assert time.monotonic() < deadline, f"no overlap after 600 s: {reads} reads, writes seen {first} -> {last}"
             try:
                 payload = cache._read_entry("k")
             except ValueError as exc:
                 failures.append(str(exc))
             else:
                 reads += payload is not None and len(payload) == 1 << 16
+            seen = cache.description("k")
+            if "who" in seen:
+                first.setdefault(seen["who"], seen["i"])
+                last[seen["who"]] = max(last.get(seen["who"], 0), seen["i"])
     finally:
+        stop.touch()
         for w in writers:
             _, err = w.communicate(timeout=300)
             assert w.returncode == 0, err[-2000:]
-    assert reads > 200, "the reader hardly overlapped the writers"
     assert not failures, f"{len(failures)} of {reads + len(failures)} reads failed: {failures[0]}"
     assert len(cache._read_entry("k")) == 1 << 16
 

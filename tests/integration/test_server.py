@@ -471,9 +471,13 @@ def test_an_early_answer_is_followed_by_a_lingering_close(server):
         answer = _read_response(sock)
         assert answer.startswith(b"HTTP/1.1 404"), answer
         assert b"\r\nconnection: close\r\n" in answer.lower(), answer  # no next request on this connection
-        for _ in range(10):  # the rest of the body keeps coming for a while: taken in and dropped
-            time.sleep(0.05)
-            sock.sendall(b"x" * 1000)  # a reset here (BrokenPipe / ConnectionReset): closed at once
+        # The rest of the body keeps coming for a while: taken in and dropped. The pauses only let a
+        # reset (had the server closed at once) come back before the next send, which then raises
+        # (BrokenPipe / ConnectionReset); a loopback reset takes microseconds. They must stay well
+        # inside the server's linger (serving.server.LINGER_S, 2 s): 10 x 10 ms.
+        for _ in range(10):
+            time.sleep(0.01)
+            sock.sendall(b"x" * 1000)
         assert _read_to_eof(sock) == b""  # the server's FIN after its answer, not a reset
 
 
@@ -513,7 +517,9 @@ def test_no_trickle_outlives_the_deadlines(server, client):
     with socket.create_connection(("127.0.0.1", server.port)) as leaver:
         leaver.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
                        b"content-length: 100\r\n\r\n{\"input\": ")
-        time.sleep(0.3)  # the route is reading the body when the client goes
+    # Gone with 10 of its 100 bytes sent. Whether the route was already reading the body or had not
+    # started yet, it takes in those bytes and then the disconnect before the body ends: a 499 either
+    # way, so nothing waits here for the server to get going; the poll waits for the count.
     assert _until(lambda: (_series(server.url, gone) or 0.0) == before[0] + 1)
     assert (_series(server.url, bad) or 0.0) == before[1]
     assert client.get("/healthz").status_code == 200

@@ -1,6 +1,7 @@
 """ViT forward, OTAS prompting / per-task heads, and timm / HF checkpoint layouts (jaxserve/models/vit.py)."""
 
 import dataclasses
+import hashlib
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,17 @@ def _prompts(batch, num_prompts, seed=2):
 
 
 def test_config_key_and_presets():
-    assert CONFIG.key() == VIT_CONFIGS["vit-tiny-test"].key()
+    # The key's contract, written out by hand for vit-tiny-test: sha256 of every field as JSON with
+    # sorted keys, `layer_scale` left out at its default (added after the first keys were stored:
+    # compile-cache entries and prompt repositories keyed before it must stay valid).
+    blob = ('{"hidden_size": 32, "image_size": 16, "layer_norm_eps": 1e-06, "mlp_dim": 64, "num_channels": 3, '
+            '"num_classes": 10, "num_heads": 2, "num_layers": 2, "patch_size": 4}')
+    assert CONFIG.key() == hashlib.sha256(blob.encode()).hexdigest()
+    # an equal config built separately has that key (nothing per-object in it); layer_scale counts once set
+    separate = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_layers=2, num_heads=2,
+                         mlp_dim=64, num_classes=10, layer_norm_eps=1e-6, layer_scale=False)
+    assert separate is not CONFIG and separate.key() == CONFIG.key()
+    assert dataclasses.replace(CONFIG, layer_scale=True).key() != CONFIG.key()
     assert CONFIG.key() != dataclasses.replace(CONFIG, layer_norm_eps=1e-12).key()
     b16 = VIT_CONFIGS["vit-b16"]
     assert (b16.num_patches, b16.hidden_size, b16.num_layers, b16.num_heads, b16.mlp_dim) == (196, 768, 12, 12, 3072)
