@@ -180,6 +180,11 @@ DT_NOTE = (
 )
 
 
+def ci(half: float) -> str:
+    """A CI half-width in %, with two decimals below 0.1% (so that it never reads 0.0%)."""
+    return f"{half:.1f}%" if half >= 0.1 else f"{half:.2f}%"
+
+
 def verdict(change: float, half: float) -> str:
     """How Arlo's mean compares with a scheme's: 'tie' when the change is inside its 95% CI."""
     if abs(change) <= half:
@@ -196,7 +201,7 @@ def scales_reading(red: dict[str, list[tuple[float, float, float]]], padding: fl
         return f"{min(v):+.0f}% to {max(v):+.0f}%"
 
     def per_scale(name: str) -> str:
-        return ", ".join(f"{m:+.1f}% ± {h:.1f}% at {g}" for (m, _, h), g in zip(red[name], INSTANCES))
+        return ", ".join(f"{m:+.1f}% ± {ci(h)} at {g}" for (m, _, h), g in zip(red[name], INSTANCES))
 
     def where(name: str, pred) -> list[int]:
         return [g for (m, _, h), g in zip(red[name], INSTANCES) if pred(verdict(m, h))]
@@ -288,7 +293,7 @@ def cmd_scales(args) -> None:
             run = next(r for r in runs if r.name == other)
             s = run.stats()
             change, half = paired_mean_change(arlo_run, run)
-            summary.append([label, other, W.reduction(arlo["mean"], s["mean"]), f"±{half:.1f}%", verdict(change, half),
+            summary.append([label, other, W.reduction(arlo["mean"], s["mean"]), f"±{ci(half)}", verdict(change, half),
                             W.reduction(arlo["p98"], s["p98"])])
             reductions.setdefault(other, []).append((change, (arlo["p98"] - s["p98"]) / s["p98"] * 100, half))
     headline = table(["scale", "vs", "Arlo mean latency", "95% CI", "mean", "Arlo p98 latency"], summary)
