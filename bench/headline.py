@@ -338,6 +338,15 @@ def _sim_speed(s):
     return f"{min(xs):.1f}–{max(xs):.1f} M simulated requests/min"
 
 
+def _sim_speed_goal(s):
+    rows = s.table("simulated req/min")
+    if "policy" not in rows[0]:
+        return "≥ 1 M/min"
+    miss = [f"{r['policy']} at {r['instances']}" for r in rows if num(r["simulated req/min"]) < 1e6]
+    return (f"≥ 1 M/min for every policy at 1 / 100 / 1000 instances — met in {len(rows) - len(miss)}/{len(rows)}"
+            + (f" (not: {', '.join(miss)})" if miss else ""))
+
+
 def _solver(s):
     xs = [num(r["DP / Gurobi"]) for r in s.table("DP / Gurobi")]
     return f"{min(xs):.2f}–{max(xs):.2f}× Gurobi's time"
@@ -476,7 +485,7 @@ ROWS: list[Row] = [
     Row("simulator vs live engine at ~70% load (mean / p98, 3 traces pooled)", ("fidelity",), _fidelity, "within 10%"),
     Row("the same at 2× overload with clients that leave after 1 s (`bench/abandon.py`): answers in time, "
         "calibrated on one arm, predicting the others", ("abandon",), _abandon_sim, "within 10%"),
-    Row("simulator speed", ("sim_speed",), _sim_speed, "≥ 1 M/min"),
+    Row("simulator speed", ("sim_speed",), _sim_speed, _sim_speed_goal),
     Row("Arlo allocation solve, exact DP vs the paper's Gurobi times (50/8 … 1000/16)", ("arlo_solver",), _solver,
         "faster at every size"),
     Row("Arlo dispatch of 2400 requests over 1200 instances of 12 runtimes", ("arlo_solver",), _dispatch, "≤ 10 ms"),

@@ -225,7 +225,11 @@ def test_headline_marks_stale_figures_and_reports_missing_ones(tmp_path):
     text = RESULTS.read_text()
     sections = {s.key: s for s in status.parse_sections(text)}
     old = sections["sim_speed"].text
-    stamped = old.replace("## Simulator speed\n\n", f"## Simulator speed\n\n*Commit:* {before}  \n", 1)
+    if "*Commit:* " in old:  # stamped: back-date its commit to before the last change of what it measures
+        stamped = re.sub(r"\*Commit:\* [0-9a-f]+", f"*Commit:* {before}", old, count=1)
+    else:
+        stamped = old.replace("## Simulator speed\n\n", f"## Simulator speed\n\n*Commit:* {before}  \n", 1)
+    assert stamped != old
     text = text.replace(old, stamped)
     text = text.replace(sections["coldstart"].text, "")  # a figure's section gone
     results = tmp_path / "RESULTS.md"
