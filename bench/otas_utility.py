@@ -71,6 +71,18 @@ TOME_GAMMA = -3  # the demo's counterpart of the paper's -15 ("nearly unchanged 
 VPT_GAMMA = 2  # the paper's VPT baseline
 
 
+def paper_scaled(measured):
+    """``measured`` (a cost model of :data:`MODEL`) with every latency times one factor, so that gamma 0
+    at the largest batch serves :data:`PAPER_GAMMA0_RPS`: (the scaled cost model, the grid of its cells,
+    the factor)."""
+    from jaxserve.sched.base import ShapeGrid
+
+    lat = measured.latency[MODEL]
+    grid = ShapeGrid(tuple(sorted({c.batch for c in lat.cells()})), gammas=tuple(sorted({c.gamma for c in lat.cells()})))
+    factor = (grid.max_batch / PAPER_GAMMA0_RPS) / lat.latency_for(grid.max_batch, 0, 0)
+    return measured.scaled(factor), grid, factor
+
+
 @dataclass(frozen=True)
 class Workload:
     trace: object  # jaxserve.traces.Trace
@@ -262,13 +274,9 @@ def main() -> None:
     add_quick(p, duration=10.0)
     args = apply_quick(p.parse_args())
     from jaxserve.profiler import load_cost_model
-    from jaxserve.sched.base import ShapeGrid
 
     measured = load_cost_model(args.cost)
-    lat = measured.latency[MODEL]
-    grid = ShapeGrid(tuple(sorted({c.batch for c in lat.cells()})), gammas=tuple(sorted({c.gamma for c in lat.cells()})))
-    factor = (grid.max_batch / PAPER_GAMMA0_RPS) / lat.latency_for(grid.max_batch, 0, 0)
-    cost = measured.scaled(factor)
+    cost, grid, factor = paper_scaled(measured)
     correct = correctness_table(grid.gammas, args.cache_dir)
     variants, switch, variant_correct = load_variants(Path(args.variants), factor, measured.latency[MODEL])
     all_results = {}

@@ -88,12 +88,10 @@ def text_setup(name: str) -> Setup:
 
 
 def otas_setup() -> Setup:
-    from bench.otas_utility import PAPER_GAMMA0_RPS
+    from bench.otas_utility import paper_scaled
 
-    measured = load_cost_model(OTAS_PROFILE)
-    grid = simulated_models(measured, OTAS_MODEL)[OTAS_MODEL].grid
-    factor = (grid.max_batch / PAPER_GAMMA0_RPS) / measured.latency[OTAS_MODEL].latency(Cell(grid.max_batch, 0, 0))
-    return Setup("otas", OTAS_MODEL, measured.scaled(factor), f"{OTAS_MODEL} (OTAS, x{factor:.2f})", None)
+    cost, _, factor = paper_scaled(load_cost_model(OTAS_PROFILE))
+    return Setup("otas", OTAS_MODEL, cost, f"{OTAS_MODEL} (OTAS, x{factor:.2f})", None)
 
 
 def build(setup: Setup, instances: int):

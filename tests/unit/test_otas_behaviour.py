@@ -18,25 +18,18 @@ import functools
 import numpy as np
 
 from conftest import ROOT
+from bench.otas_utility import MODEL, QUERY_TYPES, paper_scaled
 from jaxserve import traces
 from jaxserve.sched.base import CostModel, ShapeGrid
 from jaxserve.sched.otas import OTASPolicy, PetSPolicy
 from jaxserve.simulator import SimResult, UtilityScore, simulate, utility_score
 
-MODEL = "vit-demo"
-# OTAS Table II over the demo's three tasks (as bench/otas_utility.py): (task, SLO s, utility u_r)
-QUERY_TYPES = (("parity", 0.6, 0.3), ("parity", 1.0, 0.01), ("inverted", 0.6, 1.0),
-               ("inverted", 1.0, 0.2), ("digits", 0.6, 0.3), ("digits", 1.0, 0.01))
-GAMMA0_RPS = 580.0  # what gamma 0 at the largest batch serves after scaling (the paper's ViT-B)
 
 
 @functools.lru_cache(maxsize=None)
 def profile() -> tuple[CostModel, ShapeGrid]:
-    measured = CostModel.from_json((ROOT / "bench" / "otas_cost_vit-demo.json").read_text())
-    cells = measured.latency[MODEL].cells()
-    grid = ShapeGrid(tuple(sorted({c.batch for c in cells})), gammas=tuple(sorted({c.gamma for c in cells})))
-    factor = (grid.max_batch / GAMMA0_RPS) / measured.latency[MODEL].latency_for(grid.max_batch, 0, 0)
-    return measured.scaled(factor), grid
+    cost, grid, _ = paper_scaled(CostModel.from_json((ROOT / "bench" / "otas_cost_vit-demo.json").read_text()))
+    return cost, grid
 
 
 def workload(arrivals: np.ndarray, seed: int) -> traces.Trace:
