@@ -502,10 +502,20 @@ def enable_xla_cache(path: str | Path) -> None:
     layer) to hosts of the same kind, so we switch those side caches off ("none") and keep
     the key path-independent (measurements: bench/RESULTS.md, 'The measurements behind the
     code's rules'); the serialized executables remain the fast path on every backend.
+
+    jax opens its cache once, at the first compile, in the directory configured then: a later
+    change of the directory alone is not seen, and this process would keep reading (and
+    writing) the first cache's xla/. A second cache in another directory (a test's, a bench's)
+    then "hits" programs it never held and, by the rule of :class:`CompileCache`, leaves them
+    unserialized, so a worker loading that cache compiles them. Hence the reset.
     """
+    from jax.experimental.compilation_cache.compilation_cache import reset_cache
+
     path = _owner_only_dir(Path(path))
     jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
-    jax.config.update("jax_compilation_cache_dir", str(path))
+    if jax.config.jax_compilation_cache_dir != str(path):
+        jax.config.update("jax_compilation_cache_dir", str(path))
+        reset_cache()
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
