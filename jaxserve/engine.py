@@ -284,7 +284,16 @@ class Engine:
             self._placed(change, ok, float(seconds))
             self._schedule()
 
-        worker.load(change.stage).add_done_callback(lambda f: self._loop.call_soon_threadsafe(loaded, f))
+        worker.load(change.stage).add_done_callback(lambda f: self._to_loop(loaded, f))
+
+    def _to_loop(self, fn: Callable, *args) -> None:
+        """Run ``fn(*args)`` on the loop thread (from a worker's thread). Once the loop is closed
+        (the server has shut down) there is no one left to tell: dropped."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            if not self._loop.is_closed():
+                raise
 
     def _placed(self, change: PlacementChange, ok: bool, seconds: float) -> None:
         now = self.clock()
@@ -521,7 +530,7 @@ class Engine:
             cf = Future()
             cf.set_exception(exc)
         cf.add_done_callback(
-            lambda f: self._loop.call_soon_threadsafe(self._on_complete, batch, step, pendings, wid, started,
+            lambda f: self._to_loop(self._on_complete, batch, step, pendings, wid, started,
                                                       retried, f))
 
     def _retry_worker(self, stage: Stage, failed: int) -> int | None:
@@ -661,7 +670,7 @@ class Engine:
             self._worker_free(wid)
             self._schedule()
 
-        worker.restart().add_done_callback(lambda f: self._loop.call_soon_threadsafe(restarted, f))
+        worker.restart().add_done_callback(lambda f: self._to_loop(restarted, f))
 
     def _after_restart(self, wid: int, then: Callable[[], None]) -> None:
         if wid in self._restarting:
