@@ -179,7 +179,9 @@ class AsyFuncModel:
         into = 0.0 if blk.first else self.transfer_s(b_shadow)
         back = 0.0 if blk.last else self.transfer_s(b_shadow)
         par = max(self.seconds(blk, body_cores, b_body), into + self.seconds(blk, shadow_cores, b_shadow))
-        return self.seconds(pre, body_cores, b) + par + back + self.seconds(post, body_cores, b)
+        t_pre = self.seconds(pre, body_cores, b) if pre is not None else 0.0  # None here: no such step,
+        t_post = self.seconds(post, body_cores, b) if post is not None else 0.0  # not the whole model
+        return t_pre + par + back + t_post
 
     def best_split(self, split: SplitOption, body_cores: int, shadow_cores: int, b: int) -> tuple[int, float]:
         """(b_B, latency): Alg. 2 line 10, ``b_B`` balancing the two parallel parts (ties: the
@@ -349,6 +351,8 @@ class AsyFuncPolicy(Policy):
         self._next_period = knobs.period_s
         self.rate_estimates: list[tuple[float, float, float]] = []  # (time, R, R_max)
         self.splits_done = 0
+        self.failed_placements = 0
+        self._no_shadow_until = -_INF  # after a shadow's failed placement (on_placement)
         self._max_rps = {c: self._max_rps_of(c) for c in range(1, knobs.c_max + 1)}
         self._added = set(self._inst)  # workers that exist (the initial bodies) or whose add was planned
         self._batch_wait = max(0.0, knobs.slo_s - model.seconds(None, knobs.c_max, knobs.b_max))
@@ -384,6 +388,12 @@ class AsyFuncPolicy(Policy):
         self._to_remove.append(x.id)
         del self._inst[x.id]
 
+    def instance(self, wid: int) -> tuple[str, int] | None:
+        """(kind, cores) of instance ``wid`` ("body" or "shadow"), None if it is not one: what a
+        live worker factory needs to start the right worker (``jaxserve.asyfunc_exec``)."""
+        x = self._inst.get(wid)
+        return None if x is None else (x.kind, x.cores)
+
     def bodies(self) -> list[_Instance]:
         return [x for x in self._inst.values() if x.kind == "body"]
 
@@ -414,10 +424,15 @@ class AsyFuncPolicy(Policy):
         return 0.0
 
     # -- model-level scaling (Alg. 1) ----------------------------------------------
+    def ranked_configs(self, rate: float | None) -> list[int]:
+        """The core counts that can meet the SLO at ``rate`` (None: a lone batch), most
+        efficient first (Alg. 1 lines 4-10; ties: the order of ``configs``)."""
+        ranked = sorted(self.configs, key=lambda c: -self._best_eta(c, rate))
+        return [c for c in ranked if self._best_eta(c, rate) > 0 and self._max_rps[c] > 0]
+
     def _scale_out(self, rate: float, now: float, loaded: bool = False) -> None:
         """Alg. 1 lines 2-13 (``loaded``: the bodies exist already, as at the run's start)."""
-        ranked = sorted(self.configs, key=lambda c: -self._best_eta(c, rate))
-        ranked = [c for c in ranked if self._best_eta(c, rate) > 0 and self._max_rps[c] > 0]
+        ranked = self.ranked_configs(rate)
         r_max = self.r_max()
         while ranked and rate > self.knobs.alpha * r_max:
             node = max(range(self.knobs.nodes), key=lambda n: (self._node_free[n], -n))
@@ -463,6 +478,8 @@ class AsyFuncPolicy(Policy):
 
     # -- layer-level scaling (Alg. 2) ----------------------------------------------
     def _scale_up_shadows(self, now: float) -> None:
+        if now < self._no_shadow_until:
+            return
         knobs, model = self.knobs, self.model
         live = len(self.shadows())
         free = [x for x in self.bodies() if x.ready and x.partner is None]
@@ -545,16 +562,40 @@ class AsyFuncPolicy(Policy):
         pass  # the policy plans every placement itself; on_placement tells it when each is done
 
     def on_placement(self, change: PlacementChange, ok: bool, seconds: float, now: float) -> None:
+        """A failed add or load gives the instance up: a shadow is unpaired and released, and no
+        shadow is planned for ``shadow_idle_s`` (a load that keeps failing must not churn
+        workers through a burst); a body is removed (the next period's MLS provisions again if
+        the rate needs it)."""
         x = self._inst.get(change.worker)
         if x is None or change.action not in ("add_worker", "load"):
             return
         if not ok:
-            raise RuntimeError(f"placement {change} failed")  # faults are not modelled (issue 21: left)
+            self.failed_placements += 1
+            if x.kind == "shadow":
+                self._no_shadow_until = now + self.knobs.shadow_idle_s
+            partner = self._inst.get(x.partner) if x.partner is not None else None
+            if partner is not None:
+                partner.partner = None
+                if x.kind == "body":  # its shadow has no body to serve
+                    self._drop_instance(partner, now)
+            self._drop_instance(x, now)
+            return
         if change.action == "load" and x.loads and x.loads[0] == change.stage:
             x.loads.pop(0)
         if change.action == "load" and not x.loads:
             x.ready = True
             x.last_used = now
+
+    def metrics(self):
+        """Cores, parameter bytes and instances held now, by kind (the ledger's), and the
+        split batches and failed placements so far."""
+        for kind in ("body", "shadow"):
+            cores, nbytes = self.ledger.held(kind)
+            yield "asyfunc_cores", {"kind": kind}, float(cores)
+            yield "asyfunc_param_bytes", {"kind": kind}, float(nbytes)
+            yield "asyfunc_instances", {"kind": kind}, float(sum(x.kind == kind for x in self._inst.values()))
+        yield "asyfunc_split_batches", {}, float(self.splits_done)
+        yield "asyfunc_failed_placements", {}, float(self.failed_placements)
 
     def service_time(self, batch: Batch) -> float:
         x = self._inst.get(batch.instance)

@@ -59,6 +59,21 @@ def test_the_split_latency_is_the_three_steps_with_transfers_both_ways():
     assert m.body_stages() == (WHOLE, PRE, BLOCK, POST)
 
 
+def test_a_block_at_either_end_has_no_step_before_or_after_it():
+    """A block [0:j) has no pre step and one [i:L) no post step: nothing is priced for them (not
+    the whole model, which is what ``seconds`` prices for the stage None), and the shadow's rows
+    make one transfer, not two."""
+    first, last = Stage("m", 0, 3, 4), Stage("m", 1, 4, 4)
+    lat = {"m": (0.10, 0.16, 0.28), "m[0:3]": (0.07, 0.12, 0.22), "m[3:4]": (0.03, 0.04, 0.06),
+           "m[1:4]": (0.08, 0.13, 0.23), "m[0:1]": (0.02, 0.03, 0.05)}
+    cost = CostModel({n: LatencyProfile(n, {Cell(b): t for b, t in zip((1, 2, 4), ts)}) for n, ts in lat.items()})
+    m = model(latency={2: cost}, splits=(SplitOption(first, 40, 0.01), SplitOption(last, 40, 0.01)))
+    x2 = 0.001 + 2000 / 1e6
+    # first: max(blk(2) 0.12, blk(2) 0.12) + x(2) back + post(4) 0.06; last: pre(4) 0.05 + x(2) + blk(2)
+    assert m.split_seconds(m.splits[0], 2, 2, 4, 2) == pytest.approx(0.12 + x2 + 0.06)
+    assert m.split_seconds(m.splits[1], 2, 2, 4, 2) == pytest.approx(0.05 + x2 + 0.13)
+
+
 def test_mls_provisions_only_configurations_that_meet_the_slo():
     # at 1 core even one row takes 0.18 s > the 0.15 s SLO: every body gets 2 cores
     k = knobs(slo_s=0.15)
@@ -268,3 +283,33 @@ def test_a_layer_file_becomes_the_model_the_policy_plans_with():
     assert m.seconds(BLOCK, 1, 3) == pytest.approx(0.18 * 1.8) and m.cell(3) == Cell(4, 64)
     with pytest.raises(KeyError, match="profile --layers"):
         model_from_layers(raw, "other")
+
+
+def test_a_shadow_whose_load_fails_is_released_and_its_body_serves_alone():
+    from jaxserve.sched.base import PlacementChange
+
+    k = knobs(gamma=2, slo_s=1.0)
+    policy = AsyFuncPolicy(model(latency=FAST_SHADOW), k, (BodySpec(0, 0, 2),))
+    for rid in range(4):
+        policy.on_arrival(Request(rid, 0.0, "m", deadline=1.0), 0.0)
+    policy.plan(0.0, [])  # body busy, queue of 4 >= gamma: a shadow is planned
+    (shadow,) = policy.shadows()
+    assert policy.instance(shadow.id) == ("shadow", 1) and policy.instance(0) == ("body", 2)
+    load = PlacementChange("load", shadow.id, BLOCK)
+    policy.on_placement(PlacementChange("add_worker", shadow.id), True, 0.0, 0.01)
+    policy.on_placement(load, False, 0.2, 0.2)  # e.g. its actor died while loading
+    assert policy.shadows() == [] and policy.bodies()[0].partner is None
+    assert policy.instance(shadow.id) is None and policy.failed_placements == 1
+    assert policy.ledger.held("shadow") == (0, 0)
+    plan = policy.plan(0.2, [0])
+    assert [(c.action, c.worker) for c in plan.placement] == [("remove_worker", shadow.id)]
+    # the body takes the queue alone (unsplit); no new shadow for shadow_idle_s, then one may come
+    assert [(b.instance, b.stage) for b in plan.batches] == [(0, None)]
+    for rid in range(4, 8):
+        policy.on_arrival(Request(rid, 0.3, "m", deadline=9.0), 0.3)
+    assert policy.plan(0.3, []).placement == () and policy.shadows() == []
+    later = 0.2 + k.shadow_idle_s
+    assert [c.action for c in policy.plan(later, []).placement] == ["add_worker"]
+    metrics = {(name, tuple(labels.items())): v for name, labels, v in policy.metrics()}
+    assert metrics[("asyfunc_failed_placements", ())] == 1.0
+    assert metrics[("asyfunc_cores", (("kind", "body"),))] == 2.0
