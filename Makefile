@@ -48,7 +48,8 @@ serve: warmup
 # the suite, then the HTTP tests again with every server's workers as Ray actors (--workers ray)
 test: install
 	$(BIN)/python -m pytest -q
-	JAXSERVE_TEST_WORKERS=ray $(BIN)/python -m pytest -q tests/integration/test_server.py tests/integration/test_otas_serving.py
+	JAXSERVE_TEST_WORKERS=ray $(BIN)/python -m pytest -q tests/integration/test_server.py tests/integration/test_otas_serving.py \
+		tests/integration/test_asyfunc_serving.py
 
 # then: python -m bench.status (what is stale), python -m bench.headline --write (README's table)
 bench: install

@@ -146,7 +146,7 @@ def violins(runs: dict, key: str, ylabel: str, path: Path) -> None:
 def run_model(raw: dict, name: str, minutes: int, load_bodies: float, seed: int) -> dict:
     model = model_from_layers(raw, name, body_start_s=ASYFUNC_BODY_START_S,
                               shadow_start_s=ASYFUNC_SHADOW_START_S)
-    slo = 3 * model.seconds(None, 2, 4)
+    slo = model.default_slo_s(2, 4)
     knobs = AsyFuncKnobs(slo_s=slo, nodes=30, node_cores=4, c_max=2, b_max=4)
     body_rps = max(b / model.seconds(None, 2, b) for b in range(1, 5) if model.seconds(None, 2, b) <= slo)
     arrivals = tweet_like_arrivals(load_bodies * body_rps, minutes * 60, seed)

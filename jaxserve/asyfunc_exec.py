@@ -26,6 +26,7 @@ each bucketed by the grid) is warmed when the body and the shadow load.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from concurrent.futures import Future
@@ -36,7 +37,7 @@ from typing import Any, Sequence
 from jaxserve.compile_cache import CompileCache
 from jaxserve.runtime import ModelRuntime
 from jaxserve.sched.base import Cell, Stage
-from jaxserve.stages import Activations, StageRuntime, build_stage_runtimes
+from jaxserve.stages import Activations, StageRuntime, build_stage_runtimes, prime_stage
 from jaxserve.workers import Step, StepOutput, Worker, WorkerDied
 
 __all__ = ["Body", "SplitTimes", "body_stages", "load_text_block", "modelled_seconds"]
@@ -176,16 +177,17 @@ class Body:
 
 
 def load_text_block(model: str, block: Stage, grid, cache: CompileCache | None, *, precision: str = "f32",
-                    tune: bool = False, prime: bool = True) -> StageRuntime:
+                    tune: bool = False, prime: bool = True, heads_dir: str | None = None) -> StageRuntime:
     """Only ``block`` of the text model ``model``: its stage table (from ``cache``) and its slice
     of the weights; the parent it hangs on holds no table and no weights, only what a stage
-    borrows (tokenizer for a first block, task heads for a last one). ``prime``: run every cell
-    once, as a body's load does before ready. What a pool worker loads (§3.4)."""
-    import jax
+    borrows (tokenizer for a first block; for a last one the task heads, read from ``heads_dir``,
+    None: the shipped ones, and re-read by its ``read_assets`` on a reload). ``prime``: run
+    every cell once, as a body's load does before ready. What a pool worker loads (§3.4)."""
+    from pathlib import Path
 
     from jaxserve.polymorph import PolymorphTable
-    from jaxserve.registry import ASSETS, load_text_model
-    from jaxserve.runtime import TaskHead, TextRuntime
+    from jaxserve.registry import load_text_model, text_heads_reader
+    from jaxserve.runtime import TextRuntime
     from jaxserve.models.tokenizer import TextTokenizer
     from jaxserve.servables import bert_stage_servable, weights_of
     from jaxserve.stages import slice_stage_weights
@@ -198,21 +200,15 @@ def load_text_block(model: str, block: Stage, grid, cache: CompileCache | None, 
     table.warmup()
     weights = slice_stage_weights(weights_of(module, precision), servable.abstract_state, block.start)
     del module  # the other layers' arrays go with it: the slice shares only the block's
-    heads = {}
-    heads_dir = ASSETS / "heads" / model
-    if block.last and heads_dir.exists():
-        heads = {f.stem: TaskHead.load(f.stem, f) for f in sorted(heads_dir.glob("*.npz"))}
+    read_assets = text_heads_reader(model, None if heads_dir is None else Path(heads_dir), cfg.hidden_size) \
+        if block.last else None
+    heads = read_assets()[0] if read_assets is not None else {}
     tokenizer = TextTokenizer(tokenizer_json) if block.first else None
     parent = TextRuntime(model, None, None, heads, num_layers=cfg.num_layers, tokenizer=tokenizer,
-                         embedding_dim=cfg.hidden_size)
+                         embedding_dim=cfg.hidden_size, read_assets=read_assets)
     runner = StageRuntime(block, parent, table, weights)
     if prime:
-        import numpy as np
-
-        for cell in grid.cells():
-            args = [np.ones(s.shape, s.dtype) if np.issubdtype(s.dtype, np.integer)
-                    else np.full(s.shape, 0.02, s.dtype) for s in servable.input_specs(cell)]
-            jax.block_until_ready(table.executable(cell)(weights, *args))
+        prime_stage(runner)
     return runner
 
 
@@ -240,12 +236,20 @@ if ray is not None:
             spec = self._spec
             if stage.whole:
                 raise ValueError(f"{stage.label()}: a pool worker holds blocks, not whole models")
+            heads_dir = spec.heads_dir if stage.model == "minilm-l6" else None  # as jaxserve.launch.load_runtimes
             return load_text_block(stage.model, stage, spec.text_grid, self._open_cache(), precision=spec.precision,
-                                   tune=spec.tune, prime=spec.prime)
+                                   tune=spec.tune, prime=spec.prime, heads_dir=heads_dir)
 
         def unload(self, stage: Stage):
             self._runners.pop(stage, None)
             return self.report()
+
+        def reload_assets(self) -> None:
+            """Re-read the task heads of every last block held (the only assets a block
+            carries), from this node's files: a shadow never answers with stale heads."""
+            for runner in self._runners.values():
+                if runner.parent.read_assets is not None:
+                    runner.parent.swap_assets(*runner.parent.read_assets())
 
         def pid(self) -> int:
             return os.getpid()
@@ -264,4 +268,98 @@ if ray is not None:
             """End the actor's process now (its steps fail with WorkerDied)."""
             ray.kill(self.actor, no_restart=True)
 
-    __all__ += ["PoolWorker", "ShadowHost"]
+    class AsyFuncRayWorkers:
+        """The workers of a live AsyFunc policy on one Ray node: the bodies it starts with, and
+        its ``worker_factory`` (what the engine calls for a planned ``add_worker``).
+
+        The factory asks the policy what instance ``wid`` is (:meth:`AsyFuncPolicy.instance`):
+        a **body** is a new :class:`~jaxserve.ray_workers.RayWorker`, started empty; the policy
+        then loads the body's stages one by one. A **shadow** is the node's warm pool worker
+        (§4.2), handed over as it is (process up and JAX imported, unless two shadows come
+        within its start time: then its load waits behind the start), re-numbered ``wid`` and re-pinned to its cores; a new pool worker starts at
+        once in its place, so the next shadow finds one warm too.
+
+        **Cores.** Every actor is pinned to as many CPU ids as its instance has cores
+        (:func:`~jaxserve.ray_workers.pin_process`), the least-used ones of this process's
+        affinity first; a body at ``c`` cores is started pinned, so XLA's pool has ``c``
+        threads. A pool worker starts pinned to ``pool_cores`` (a shadow's usual share,
+        ``c_max // 2``) and is re-pinned when it becomes a shadow. Ray's own CPU accounting is
+        bypassed (``num_cpus=0``): the policy accounts cores (its ledger), and Ray would
+        otherwise keep an actor pending while the pool worker holds a logical CPU.
+        """
+
+        def __init__(self, spec: WorkerSpec, policy: Any, pool_cores: int = 1,
+                     cpus: Sequence[int] | None = None):
+            self.spec = spec
+            self.policy = policy
+            self.pool_cores = pool_cores
+            self.cpus = tuple(sorted(cpus if cpus is not None else os.sched_getaffinity(0)))
+            self._pinned: dict[int, tuple[Any, tuple[int, ...]]] = {}  # worker id -> (worker, cpus)
+            self._pool: PoolWorker | None = None
+            self.shadows_from_pool = 0
+
+        def _pick(self, cores: int) -> tuple[int, ...]:
+            """``cores`` CPU ids, the least used by live pinned workers first (then the lowest)."""
+            self._pinned = {k: v for k, v in self._pinned.items() if not v[0]._closed}
+            use = {c: 0 for c in self.cpus}
+            for _, cpus in self._pinned.values():
+                for c in cpus:
+                    use[c] = use.get(c, 0) + 1
+            return tuple(sorted(sorted(self.cpus, key=lambda c: (use[c], c))[:max(1, min(cores, len(self.cpus)))]))
+
+        def _worker(self, cls, wid: int, cores: int, stages: Sequence[Stage] = ()):
+            cpus = self._pick(cores)
+            worker = cls(wid, dataclasses.replace(self.spec, cpus=cpus), stages, num_cpus=0)
+            self._pinned[wid] = (worker, cpus)
+            return worker
+
+        def bodies(self, stages: Sequence[Stage]) -> list:
+            """The policy's initial bodies (ids 0..n-1, every one holding ``stages``), ready,
+            and the first pool worker started."""
+            out = []
+            wid = 0
+            while (inst := self.policy.instance(wid)) is not None:
+                out.append(self._worker(RayWorker, wid, inst[1], stages))
+                wid += 1
+            try:
+                for worker in out:
+                    worker.ready.result()
+            except BaseException:
+                for worker in out:
+                    worker.close()
+                raise
+            self.refill()
+            return out
+
+        def refill(self) -> None:
+            """Start a warm pool worker if there is none."""
+            if self._pool is None:
+                self._pool = self._worker(PoolWorker, -1, self.pool_cores)
+
+        def __call__(self, wid: int):
+            inst = self.policy.instance(wid)
+            if inst is None:
+                raise RuntimeError(f"worker {wid} is not an instance of the AsyFunc policy")
+            kind, cores = inst
+            if kind == "body":
+                return self._worker(RayWorker, wid, cores)
+            self.refill()
+            worker, self._pool = self._pool, None
+            worker.id = wid
+            self._pinned.pop(-1, None)
+            cpus = self._pick(cores)
+            self._pinned[wid] = (worker, cpus)
+            # not awaited (this runs on the engine's loop): an actor runs one caller's calls in
+            # order, so the pin precedes the block's load, which the engine plans next
+            worker.actor.pin.remote(list(cpus))
+            self.shadows_from_pool += 1
+            self.refill()
+            return worker
+
+        def close(self) -> None:
+            """End the pool worker (the engine closes the others)."""
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+
+    __all__ += ["AsyFuncRayWorkers", "PoolWorker", "ShadowHost"]

@@ -26,7 +26,6 @@ from jaxserve import traces
 from jaxserve.compile_cache import CacheDirError, CompileCache, check_cache_root, compile_count
 from jaxserve.launch import (
     ASYFUNC_BODY_START_S,
-    ASYFUNC_NOT_LIVE,
     ASYFUNC_SHADOW_START_S,
     IMAGE_MODELS,
     QUART_NOT_LIVE,
@@ -35,6 +34,7 @@ from jaxserve.launch import (
     ServeSettings,
     default_cost_model_path,
     load_runtimes,
+    make_asyfunc_policy,
     make_policy,
     profile_latency,
     cascade_profile_path,
@@ -42,6 +42,7 @@ from jaxserve.launch import (
     simulate_cascade,
     simulate_quart,
     simulated_models,
+    with_asyfunc,
 )
 from jaxserve.models.bert import load_hf_bert
 from jaxserve.models.precision import PRECISIONS
@@ -116,16 +117,24 @@ def cmd_warmup(args) -> int:
     t0 = time.perf_counter()
     cache = CompileCache(args.cache_dir, rebuild_serialized=True)  # the deploy job fills the fast path
     settings = ServeSettings(models=_models(args), cache_dir=args.cache_dir, precision=args.precision,
-                             **_served(args))
+                             policy=args.policy, layer_profile=args.layer_profile, **_served(args))
+    try:  # --policy asyfunc*: its grid, and its bodies' stages below
+        settings = with_asyfunc(settings)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     with _stop_on_ctrl_c() as stop:
         runtimes = load_runtimes(settings, cache, stop)
         tables = {name: rt.table for name, rt in runtimes.items()}
         for name, rt in runtimes.items():  # layer ranges, for workers that hold stages (jaxserve.stages)
-            if args.stages:
+            stages = ()
+            if "asyfunc" in settings.extra:
+                stages = [s for s in settings.extra["asyfunc"]["model"].body_stages() if not s.whole]
+            elif args.stages:
                 try:
                     stages = split_stages(name, rt.num_layers, args.stages)
                 except ValueError as exc:
                     raise CliError(f"--stages: {exc}") from None
+            if stages:
                 built = build_stage_runtimes(rt, stages, cache, progress=settings.progress, tune=settings.tune,
                                              stop=stop)
                 tables.update({stage.label(): srt.table for stage, srt in built.items()})
@@ -301,9 +310,7 @@ def cmd_serve(args) -> int:
 
     if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
         raise CliError("--ssl-certfile and --ssl-keyfile go together: HTTPS needs both")
-    if args.policy in ASYFUNC_POLICIES:  # before binding and warming
-        raise CliError(ASYFUNC_NOT_LIVE)
-    if args.policy in QUART_POLICIES:
+    if args.policy in QUART_POLICIES:  # before binding and warming
         raise CliError(QUART_NOT_LIVE)
     for family, only in ((TEXT_STREAM_POLICIES, "minilm-l6"), (IMAGE_POLICIES, _image_model(args))):
         if args.policy in family and _models(args) != (only,):  # before binding and warming, not after
@@ -320,8 +327,14 @@ def cmd_serve(args) -> int:
         dt_penalty=args.dt_penalty, arlo_autoscale_from=args.arlo_autoscale_from,
         cascade_profile=args.cascade_profile, tabi_target_accuracy=args.tabi_target_accuracy,
         workers=args.workers, ray_address=args.ray_address, worker_cpus=args.worker_cpus,
-        worker_gpus=args.worker_gpus,
+        worker_gpus=args.worker_gpus, layer_profile=args.layer_profile, asyfunc_period_s=args.asyfunc_period_s,
+        asyfunc_body_cores=args.body_cores, asyfunc_node_cores=args.node_cores,
     )
+    if args.policy in ASYFUNC_POLICIES:  # before binding and warming: the model and its layer profile
+        try:
+            make_asyfunc_policy(with_asyfunc(settings), {})
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     if args.workers == "ray" and args.policy == "dt":
         raise CliError("--policy dt emulates dynamic shapes inside the server's own runtime: use --workers thread")
     if args.ray_address is not None and args.workers != "ray":
@@ -401,7 +414,7 @@ def _simulate_asyfunc(args) -> int:
                                   shadow_start_s=ASYFUNC_SHADOW_START_S)
     except KeyError as exc:
         raise CliError(str(exc.args[0])) from None
-    slo = args.slo_ms / 1e3 if args.slo_ms else 3 * model.seconds(None, 2, 4)  # as bench.asyfunc_sim
+    slo = args.slo_ms / 1e3 if args.slo_ms else model.default_slo_s(2, 4)  # as bench.asyfunc_sim
     knobs = AsyFuncKnobs(slo_s=slo, c_max=max(model.latency), b_max=min(4, model.grid.max_batch))
     arrivals = _arrivals(args)
     trace = traces.make_trace(arrivals, model=name, length=np.full(len(arrivals), model.seq), slo_s=slo)
@@ -729,6 +742,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--stages", type=_layer_cuts, default=(),
                     help="also compile each model cut into layer ranges at these layers, e.g. 3 or 2,4 (for "
                          "workers that hold stages; the whole model is always compiled)")
+    sp.add_argument("--layer-profile", type=_existing_file, default=None,
+                    help="--policy asyfunc*: the layer profile (default: the one next to the cache's cost "
+                         "model); warmup then compiles its grid and every stage its bodies hold")
     sp.set_defaults(fn=cmd_warmup)
 
     sp = sub.add_parser("serve", help="start the HTTP server")
@@ -789,6 +805,16 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--dt-penalty", type=POSITIVE, default=None, help="dt: dynamic-shape slowdown (default 1.22)")
     sp.add_argument("--arlo-autoscale-from", type=POSITIVE_INT, default=None,
                     help="arlo: start N of the --instances worker slots and scale by target tracking (§4)")
+    sp.add_argument("--layer-profile", type=_existing_file, default=None,
+                    help="asyfunc*: the layer profile (jaxserve profile --layers; default: the one next to the "
+                         "cost model). The served grid becomes its bucket at batches 1, 2, 4")
+    sp.add_argument("--asyfunc-period-s", type=POSITIVE, default=60.0,
+                    help="asyfunc*: model-level scaling period (paper: 60 s)")
+    sp.add_argument("--body-cores", type=POSITIVE_INT, default=None,
+                    help="asyfunc*: cores of each of the --instances bodies the server starts with (default: "
+                         "the most efficient configuration; asyfunc-batch: the largest)")
+    sp.add_argument("--node-cores", type=POSITIVE_INT, default=None,
+                    help="asyfunc*: cores bodies and shadows may hold in all (default: this machine's)")
     sp.add_argument("--tome-gamma", type=int, default=None, help="tome: its fixed gamma (default: the most negative)")
     sp.add_argument("--vpt-gamma", type=int, default=None, help="vpt: its fixed gamma (default 2)")
     sp.set_defaults(fn=cmd_serve)

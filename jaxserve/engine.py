@@ -697,7 +697,12 @@ class Engine:
             return False
 
     def close(self) -> None:
+        """Stop the timer and close every worker, and the worker factory if it keeps workers of
+        its own (AsyFunc's warm pool worker: ``close()``)."""
         if self._timer is not None:
             self._timer.cancel()
         for worker in self.workers.values():
             worker.close()
+        close_factory = getattr(self.worker_factory, "close", None)
+        if close_factory is not None:
+            close_factory()

@@ -88,6 +88,14 @@ class ServeSettings:
     # jaxserve/profiles/cascade.json) and the accuracy target (None: each task's profiled default)
     cascade_profile: str | None = None
     tabi_target_accuracy: float | None = None
+    # AsyFunc (--policy asyfunc|asyfunc-nolls|asyfunc-batch; jaxserve/sched/asyfunc.py): the layer
+    # profile (None: the one next to the cost model), the MLS period, the cores of the bodies the
+    # server starts with (None: MLS's most efficient configuration) and the cores of the node
+    # (None: this process's CPUs)
+    layer_profile: str | None = None
+    asyfunc_period_s: float = 60.0
+    asyfunc_body_cores: int | None = None
+    asyfunc_node_cores: int | None = None
 
 
 def load_runtimes(settings: ServeSettings, cache: CompileCache | None,
@@ -191,7 +199,7 @@ def make_policy(settings: ServeSettings, models: Mapping[str, Any], cost: CostMo
     if settings.policy in CASCADE_POLICIES:
         return make_tabi_policy(settings, models, cost)
     if settings.policy in ASYFUNC_POLICIES:
-        raise ValueError(ASYFUNC_NOT_LIVE)
+        return make_asyfunc_policy(settings, grids)
     if settings.policy in QUART_POLICIES:
         raise ValueError(QUART_NOT_LIVE)
     raise ValueError(f"unknown policy {settings.policy!r}; known: {', '.join(SERVE_POLICIES)}")
@@ -370,17 +378,59 @@ def build_engine(settings: ServeSettings, stop: Callable[[], bool] | None = None
     ``stop`` is asked before each cell (compile, profile, first run): True raises
     ``WarmupCancelled``, so a server shut down while it warms exits within a cell."""
     start_workers_runtime(settings)  # a no-op when the caller started it (serving.server.build_app does)
-    settings = with_cascade(settings)
+    settings = with_asyfunc(with_cascade(settings))
     cache = CompileCache(settings.cache_dir) if settings.cache_dir else None
     runtimes = load_runtimes(settings, cache, stop)
     cost_path = Path(settings.cost_model) if settings.cost_model else (
         default_cost_model_path(settings.cache_dir, settings.precision) if settings.cache_dir else None)
     cost = price_cells(runtimes, cost_path, settings.progress, stop)
     policy = make_policy(settings, runtimes, cost)
-    workers, factory = make_workers(settings, runtimes)
+    catalog = None
+    if settings.policy in ASYFUNC_POLICIES:
+        workers, factory, catalog = make_asyfunc_workers(settings, runtimes, policy, cache, stop)
+    else:
+        workers, factory = make_workers(settings, runtimes)
     return Engine(engine_runtimes(policy, runtimes), policy, instances=settings.instances,
                   max_queue=settings.max_queue, default_slo_ms=settings.slo_ms, workers=workers,
-                  worker_factory=factory, cost_model=cost, correct_prices=settings.correct_prices)
+                  worker_factory=factory, catalog=catalog, cost_model=cost, correct_prices=settings.correct_prices)
+
+
+def make_asyfunc_workers(settings: ServeSettings, runtimes: Mapping[str, ModelRuntime], policy, cache,
+                         stop: Callable[[], bool] | None = None):
+    """(workers, factory, catalog) of a live AsyFunc policy. Every stage a body holds
+    (:meth:`~jaxserve.sched.asyfunc.AsyFuncModel.body_stages`: the whole model, and the pre,
+    block and post stage of every split) is built here first, compiled or loaded from the
+    cache: the catalog thread workers load from, and the cache entries Ray actors load.
+
+    Thread workers (``--workers thread``) share this process's cores, so instances' cores are
+    the policy's accounting only. Ray workers (:class:`~jaxserve.asyfunc_exec.AsyFuncRayWorkers`)
+    are pinned to their cores, and shadows start from the node's warm pool worker."""
+    from jaxserve.stages import build_stage_runtimes, prime_stage
+    from jaxserve.workers import ThreadWorker
+
+    (name, parent), = runtimes.items()
+    stages = policy.model.body_stages()
+    runners = build_stage_runtimes(parent, stages, cache, progress=settings.progress, tune=settings.tune, stop=stop)
+    for runner in runners.values():  # their first calls' one-time costs, before ready (run_every_cell_once)
+        prime_stage(runner, stop)
+    runners[whole_stage(name, parent)] = parent
+
+    def catalog(stage):
+        if stage not in runners:
+            raise KeyError(f"no runner for {stage.label()}: not a stage of the AsyFunc policy's splits")
+        return runners[stage]
+
+    if settings.workers == "thread":
+        workers = [ThreadWorker(b.id, catalog, stages) for b in policy.bodies()]
+        return workers, (lambda wid: ThreadWorker(wid, catalog)), catalog
+    if settings.workers != "ray":
+        raise ValueError(f"unknown workers {settings.workers!r}; known: thread, ray")
+    from jaxserve.asyfunc_exec import AsyFuncRayWorkers
+    from jaxserve.ray_workers import WorkerSpec
+
+    factory = AsyFuncRayWorkers(WorkerSpec.from_settings(settings), policy,
+                                pool_cores=max(1, policy.knobs.c_max // 2))
+    return factory.bodies(stages), factory, catalog
 
 
 def start_workers_runtime(settings: ServeSettings) -> None:
@@ -441,9 +491,88 @@ def settle_heap() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-ASYFUNC_NOT_LIVE = ("--policy asyfunc (and asyfunc-nolls, asyfunc-batch) runs in simulation only: `jaxserve simulate "
-                    "--policy asyfunc` after `jaxserve profile --layers`. Live body and shadow workers are not wired "
-                    "into the server yet (issue 21)")
+def asyfunc_layers_path(settings: ServeSettings) -> Path:
+    """The layer profile a live AsyFunc policy plans with: ``--layer-profile``, else the one
+    ``jaxserve profile --layers`` writes next to the cost model."""
+    from jaxserve.layer_profile import layers_path
+
+    if settings.layer_profile:
+        return Path(settings.layer_profile)
+    return layers_path(settings.cost_model or default_cost_model_path(settings.cache_dir or ".", settings.precision))
+
+
+def with_asyfunc(settings: ServeSettings) -> ServeSettings:
+    """``settings`` for a live AsyFunc policy: its one text model read from the layer profile
+    (:func:`~jaxserve.sched.asyfunc.model_from_layers`, kept in ``extra["asyfunc"]``) and the
+    text grid set to what the policy plans over: the profile's sequence bucket (AsyFunc has one
+    queue of one input shape; longer requests are refused) and its batch sizes up to ``b_max``
+    (4), so warmup compiles those cells only, for the whole model and every stage a split runs.
+    Other policies' settings are returned as they are. ValueError with the reason (no profile,
+    not one text model, no such model in the profile)."""
+    if settings.policy not in ASYFUNC_POLICIES:
+        return settings
+    import json
+
+    from jaxserve.sched.asyfunc import model_from_layers
+
+    if len(settings.models) != 1 or settings.models[0] not in registry.TEXT_MODELS:
+        raise ValueError(f"--policy {settings.policy} serves exactly one text model live (--model minilm-l6); got "
+                         f"{', '.join(settings.models)} (images: jaxserve simulate --policy {settings.policy})")
+    name = settings.models[0]
+    path = asyfunc_layers_path(settings)
+    if not path.exists():
+        raise ValueError(f"--policy {settings.policy} plans with a layer profile: {path} is missing (jaxserve "
+                         f"profile --layers --model {name}, or --layer-profile PATH)")
+    try:
+        model = model_from_layers(json.loads(path.read_text()), name, batch_sizes=ASYFUNC_BATCHES,
+                                  body_start_s=ASYFUNC_BODY_START_S, shadow_start_s=ASYFUNC_SHADOW_START_S)
+    except KeyError as exc:
+        raise ValueError(f"{path}: {exc.args[0]}") from None
+    if not model.seq:
+        raise ValueError(f"{path}: {name} has no sequence bucket")
+    grid = ShapeGrid(ASYFUNC_BATCHES, (model.seq,))
+    return dataclasses.replace(settings, text_grid=grid, extra={**settings.extra, "asyfunc": {"model": model}})
+
+
+ASYFUNC_BATCHES = (1, 2, 4)  # the policy's batches: b_max = 4 (the paper's B_max) and what a split pads to
+
+
+def make_asyfunc_policy(settings: ServeSettings, grids: Mapping[str, ShapeGrid]):
+    """AsyFunc, AsyFunc⁻ or BATCH (``settings.policy``) over the model :func:`with_asyfunc`
+    read, live. The knobs are the module's (``jaxserve.sched.asyfunc``) with, for one machine:
+    one node of ``asyfunc_node_cores`` cores (default: this process's CPUs), ``c_max`` the
+    largest core count profiled that fits it, the SLO ``--slo-ms`` (default: 3x the whole
+    model's latency at ``(c_max, b_max)``, as ``jaxserve simulate`` sets it) and the period
+    ``asyfunc_period_s``. The server starts ``instances`` bodies, already loaded, of
+    ``asyfunc_body_cores`` cores (default: ``c_max`` for BATCH, whose configuration is fixed;
+    else the configuration MLS ranks most efficient at the rate the bodies support), placed on
+    the node as long as it has cores. ValueError if they do not fit."""
+    import os
+
+    from jaxserve.sched.asyfunc import AsyFuncKnobs, AsyFuncPolicy, BodySpec
+
+    model = (settings.extra.get("asyfunc") or with_asyfunc(settings).extra["asyfunc"])["model"]
+    if grids.get(model.name) is not None and model.seq not in grids[model.name].seq_buckets:
+        raise ValueError(f"{model.name}'s grid lacks the layer profile's bucket {model.seq}")
+    node_cores = settings.asyfunc_node_cores or len(os.sched_getaffinity(0))
+    c_max = max(c for c in model.latency if c <= node_cores) if min(model.latency) <= node_cores else 0
+    if not c_max:
+        raise ValueError(f"the layer profile prices {sorted(model.latency)} cores; the node has {node_cores}")
+    b_max = max(b for b in model.grid.batch_sizes if b <= 4)
+    slo = settings.slo_ms / 1e3 if settings.slo_ms else model.default_slo_s(c_max, b_max)
+    knobs = AsyFuncKnobs(slo_s=slo, period_s=settings.asyfunc_period_s, c_max=c_max, b_max=b_max, nodes=1,
+                         node_cores=node_cores)
+    cores = settings.asyfunc_body_cores
+    if settings.policy == "asyfunc-batch" and cores not in (None, c_max):
+        raise ValueError(f"--policy asyfunc-batch runs one configuration, c_max = {c_max} cores; "
+                         f"--body-cores {cores} is not it")
+    if cores is None:
+        cores = (AsyFuncPolicy(model, knobs, (), variant=settings.policy).ranked_configs(None) or [c_max])[0]
+    if cores > c_max or cores * settings.instances > node_cores:
+        raise ValueError(f"{settings.instances} bodies of {cores} cores do not fit a node of {node_cores} cores "
+                         f"(c_max {c_max})")
+    bodies = [BodySpec(i, 0, cores) for i in range(settings.instances)]
+    return AsyFuncPolicy(model, knobs, bodies, variant=settings.policy)
 
 
 # What a new AsyFunc body and a shadow pay besides their parameters' load, in simulation: a body

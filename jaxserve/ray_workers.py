@@ -64,7 +64,9 @@ class WorkerSpec:
 
     Paths are absolute (resolved on the driver) and name the same place on every node.
     ``env``: variables set in the actor before it imports JAX. ``prime``: run every cell
-    of a loaded model once before reporting ready, as the server does before ready."""
+    of a loaded model once before reporting ready, as the server does before ready.
+    ``cpus``: the CPU ids the actor's process is pinned to (every thread, before JAX starts, so
+    XLA sizes its thread pool to them: :func:`pin_process`); empty: not pinned."""
 
     models: tuple[str, ...]
     cache_dir: str | None
@@ -76,6 +78,7 @@ class WorkerSpec:
     prompts_dir: str | None = None
     env: tuple[tuple[str, str], ...] = ()
     prime: bool = True
+    cpus: tuple[int, ...] = ()
 
     @classmethod
     def from_settings(cls, settings: Any, env: dict[str, str] | None = None, prime: bool = True) -> "WorkerSpec":
@@ -113,6 +116,18 @@ def _assembly():
     return assembly
 
 
+def pin_process(cpus: Sequence[int]) -> None:
+    """Pin every thread of this process to ``cpus`` (Linux affinity is per thread; threads
+    started later inherit their creator's). Before JAX starts, this also sizes XLA's CPU
+    thread pool, which reads the process's affinity once."""
+    cpus = set(cpus)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
 class StageHost:
     """The actor: holds stages in its own process and runs steps one at a time (Ray runs
     an actor's calls from one caller in order, one at a time)."""
@@ -120,6 +135,8 @@ class StageHost:
     def __init__(self, spec: WorkerSpec):
         for key, value in spec.env:  # before anything here imports JAX
             os.environ[key] = value
+        if spec.cpus:
+            pin_process(spec.cpus)
         self._spec = spec
         self._cache = None
         self._parents: dict[str, Any] = {}  # model -> whole-model runtime
@@ -198,6 +215,12 @@ class StageHost:
         from jaxserve.compile_cache import compile_count
 
         return compile_count()
+
+    def pin(self, cpus: Sequence[int]) -> list[int]:
+        """Re-pin this process to ``cpus`` (a started pool worker given its shadow's cores;
+        XLA's thread pool keeps the size it had at start). Returns the affinity now."""
+        pin_process(cpus)
+        return sorted(os.sched_getaffinity(0))
 
     # ------------------------------------------------------------------ steps
     def run(self, step: Step) -> StepOutput:

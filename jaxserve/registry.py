@@ -211,6 +211,24 @@ def text_grid(model: str = "minilm-l6", buckets: tuple[int, ...] | None = None,
     return ShapeGrid(batch_sizes=batch_sizes, seq_buckets=buckets or default_text_buckets(model))
 
 
+def text_heads_reader(name: str, heads_dir: Path | None, hidden_size: int):
+    """``read_assets()`` of the text model ``name``: its task heads read from ``heads_dir``
+    (None: the shipped ones), as ``(heads, None, None)``; ValueError for a head over another
+    width. The heads apply after the executable: any linear head over the embedding fits."""
+    heads_dir = heads_dir or ASSETS / "heads" / name
+
+    def read_assets():
+        heads = {}
+        for f in sorted(heads_dir.glob("*.npz")) if heads_dir.exists() else ():
+            head = TaskHead.load(f.stem, f)
+            if head.weight.shape[0] != hidden_size:
+                raise ValueError(f"{f}: head over {head.weight.shape[0]} features; {name} gives {hidden_size}")
+            heads[f.stem] = head
+        return heads, None, None
+
+    return read_assets
+
+
 def load_text_runtime(name: str = "minilm-l6", cache=None, grid: ShapeGrid | None = None,
                       progress: bool = False, heads_dir: Path | None = None, precision: str = "f32", stop=None,
                       tune: bool = True, importance: bool = False) -> TextRuntime:
@@ -222,17 +240,7 @@ def load_text_runtime(name: str = "minilm-l6", cache=None, grid: ShapeGrid | Non
     grid = grid or text_grid(name)
     table = PolymorphTable(bert_servable(name, cfg, grid, precision, importance=importance), cache, tune=tune)
     table.warmup(progress=progress, stop=stop)
-    heads_dir = heads_dir or ASSETS / "heads" / name
-
-    def read_assets():  # the heads apply after the executable: any linear head over the embedding fits
-        heads = {}
-        for f in sorted(heads_dir.glob("*.npz")) if heads_dir.exists() else ():
-            head = TaskHead.load(f.stem, f)
-            if head.weight.shape[0] != cfg.hidden_size:
-                raise ValueError(f"{f}: head over {head.weight.shape[0]} features; {name} gives {cfg.hidden_size}")
-            heads[f.stem] = head
-        return heads, None, None
-
+    read_assets = text_heads_reader(name, heads_dir, cfg.hidden_size)
     heads, _, _ = read_assets()
     tokenizer = TextTokenizer(tokenizer_json)
     register_tokenizer(name, tokenizer)  # a cascade level before this model tokenizes with it (jaxserve.cascade)

@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.compile_cache import CompileCache
-from jaxserve.polymorph import PolymorphTable, unpad_rows
+from jaxserve.polymorph import PolymorphTable, raise_if_stopped, unpad_rows
 from jaxserve.runtime import ImageRuntime, ModelRuntime, TextRuntime
 from jaxserve.sched.base import Cell, Stage
 
@@ -270,3 +270,15 @@ def build_stage_runtimes(parent: ModelRuntime, stages: Sequence[Stage], cache: C
         weights = slice_stage_weights(parent.weights, servable.abstract_state, stage.start)
         out[stage] = StageRuntime(stage, parent, table, weights)
     return out
+
+
+def prime_stage(runner: StageRuntime, stop: Callable[[], bool] | None = None) -> None:
+    """Run every cell of ``runner``'s table once on placeholder inputs (ones for integer
+    inputs, 0.02 elsewhere), so its first real steps do not pay the executables' one-time
+    costs; ``stop`` is asked before each cell (``raise_if_stopped``)."""
+    servable = runner.table.servable
+    for cell in runner.grid.cells():
+        raise_if_stopped(stop)
+        args = [np.ones(s.shape, s.dtype) if np.issubdtype(s.dtype, np.integer) else np.full(s.shape, 0.02, s.dtype)
+                for s in servable.input_specs(cell)]
+        jax.block_until_ready(runner.table.executable(cell)(runner.weights, *args))

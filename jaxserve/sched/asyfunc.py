@@ -62,6 +62,13 @@ Decisions the paper leaves open, or where we differ (each is a knob or a line be
 * **Accounting.** An instance holds its cores and parameter bytes from the moment it is
   planned (loading included) until it is removed (:class:`ResourceLedger`).
 
+Live (``jaxserve serve --policy asyfunc*``): :func:`jaxserve.launch.make_asyfunc_policy` sets
+the knobs for one node (this machine's cores) and the bodies the server starts with, and the
+engine carries out the placement this policy plans (workers added, stages loaded, workers
+removed); on Ray, :class:`jaxserve.asyfunc_exec.AsyFuncRayWorkers` pins each instance to its
+cores and makes shadows of the warm pool worker. ``/metrics`` has the ledger's holdings
+(:meth:`AsyFuncPolicy.metrics`). A failed add or load releases its instance.
+
 Pure: no JAX, no clock, no threads. The simulator prices each step through
 :meth:`AsyFuncPolicy.service_time` at the instance's core count; it must be given the same
 activation transfer (``transfer_hop_s``, ``transfer_bytes_per_s``, ``row_bytes``).
@@ -167,6 +174,11 @@ class AsyFuncModel:
             cell = self.cell(rows)
             t = self._memo[key] = float(profiles[name].latency_for(cell.batch, cell.seq, cell.gamma))
         return t
+
+    def default_slo_s(self, c_max: int, b_max: int) -> float:
+        """The SLO when none is given: 3x the whole model's latency at ``(c_max, b_max)`` (the
+        paper sets its SLOs from the latency of its largest configuration; the factor is ours)."""
+        return 3 * self.seconds(None, c_max, b_max)
 
     def transfer_s(self, rows: int) -> float:
         return self.transfer_hop_s + rows * self.row_bytes / self.transfer_bytes_per_s if rows else 0.0

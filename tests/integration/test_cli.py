@@ -471,17 +471,36 @@ def test_warmup_fills_the_stages_workers_will_load(tmp_path):
     assert run("warmup", *flags, "--stages", "3,2").returncode == 2  # a usage error, before any work
 
 
-def test_asyfunc_runs_in_simulation_and_serve_refuses_it(tmp_path, capsys):
+def test_asyfunc_simulates_and_warms_up_and_serve_checks_its_layer_profile_first(tmp_path, capsys):
     """simulate --policy asyfunc* plans with the layer profile next to --cost-model (the bench's,
-    committed); serve --policy asyfunc* says it is simulation only, before any warmup."""
+    committed); serve --policy asyfunc* refuses, before any warmup, a missing layer profile, one
+    without the model and more than one model; warmup --policy asyfunc compiles the profile's grid
+    for the whole model and every stage a body holds."""
     from jaxserve.cli import main
     from jaxserve.compile_cache import compile_count
 
     before = compile_count()
-    assert main(["serve", "--policy", "asyfunc"]) == 2
+    cache = str(tmp_path / "cache")
+    assert main(["serve", "--policy", "asyfunc", "--model", "minilm-l6", "--cache-dir", cache]) == 2
     err = capsys.readouterr().err
-    assert "runs in simulation only" in err and "issue 21" in err, err
+    assert "layer profile" in err and "cost_model.layers.json is missing" in err and "profile --layers" in err, err
+    layers = ROOT / "bench" / "profiles" / "asyfunc-cost.layers.json"
+    assert main(["serve", "--policy", "asyfunc", "--model", "bge-small", "--layer-profile", str(layers),
+                 "--cache-dir", cache]) == 2
+    assert "not 'bge-small'" in capsys.readouterr().err
+    assert main(["serve", "--policy", "asyfunc-batch", "--cache-dir", cache, "--layer-profile", str(layers)]) == 2
+    assert "exactly one text model" in capsys.readouterr().err
+    assert main(["serve", "--policy", "asyfunc-batch", "--model", "minilm-l6", "--body-cores", "1",
+                 "--node-cores", "2", "--cache-dir", cache, "--layer-profile", str(layers)]) == 2
+    assert "one configuration, c_max = 2" in capsys.readouterr().err
     assert compile_count() == before
+    out = run("warmup", "--policy", "asyfunc", "--model", "minilm-l6", "--layer-profile", str(layers), "--no-tune",
+              "--cache-dir", cache)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # the profile's splits [1:3], [0:3], [0:4]: stages [0:1], [1:3], [3:6], [0:3], [0:4], [4:6], each at batches 1, 2, 4
+    for label in ("minilm-l6", "minilm-l6[0:1]", "minilm-l6[1:3]", "minilm-l6[3:6]", "minilm-l6[0:3]",
+                  "minilm-l6[0:4]", "minilm-l6[4:6]"):
+        assert f"{label}: 3 executables" in out.stdout, out.stdout
     cost = ROOT / "bench" / "profiles" / "asyfunc-cost.json"
     for policy in ("asyfunc", "asyfunc-nolls", "asyfunc-batch"):
         out = run("simulate", "--cost-model", str(cost), "--policy", policy, "--sim-model", "minilm-l6",
