@@ -27,11 +27,13 @@ each bucketed by the grid) is warmed when the body and the shadow load.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 from jaxserve.compile_cache import CompileCache
@@ -40,7 +42,8 @@ from jaxserve.sched.base import Cell, Stage
 from jaxserve.stages import Activations, StageRuntime, build_stage_runtimes, prime_stage
 from jaxserve.workers import Step, StepOutput, Worker, WorkerDied
 
-__all__ = ["Body", "SplitTimes", "body_stages", "load_text_block", "modelled_seconds"]
+__all__ = ["Body", "PreparedBlock", "SplitTimes", "block_dir", "body_stages", "load_text_block", "modelled_seconds",
+           "prepare_text_block", "write_block_checkpoint"]
 
 
 def body_stages(model: str, num_layers: int, block: Stage) -> tuple[Stage | None, Stage, Stage | None]:
@@ -176,40 +179,136 @@ class Body:
                                  time.perf_counter() - t0, recomputed)
 
 
-def load_text_block(model: str, block: Stage, grid, cache: CompileCache | None, *, precision: str = "f32",
-                    tune: bool = False, prime: bool = True, heads_dir: str | None = None) -> StageRuntime:
-    """Only ``block`` of the text model ``model``: its stage table (from ``cache``) and its slice
-    of the weights; the parent it hangs on holds no table and no weights, only what a stage
-    borrows (tokenizer for a first block; for a last one the task heads, read from ``heads_dir``,
-    None: the shipped ones, and re-read by its ``read_assets`` on a reload). ``prime``: run
-    every cell once, as a body's load does before ready. What a pool worker loads (§3.4)."""
-    from pathlib import Path
+BLOCKS_DIR = "blocks"  # under a compile cache's root: one checkpoint per shadow block and precision
+_BLOCK_MODEL = "model.json"  # beside a block's checkpoint: the model's config and tokenizer file
 
+
+def block_dir(cache_root: str | Path, block: Stage, precision: str = "f32") -> Path:
+    """Where ``block``'s own checkpoint lives: ``<cache>/blocks/<precision>/<model>/<i>-<j>-of-<L>``
+    (:func:`jaxserve.keys_manager.stage_dir`)."""
+    from jaxserve.keys_manager import stage_dir
+
+    return stage_dir(Path(cache_root) / BLOCKS_DIR / precision, block)
+
+
+def write_block_checkpoint(runner: StageRuntime, cache_root: str | Path, precision: str = "f32") -> tuple[Path, bool]:
+    """Save ``runner``'s block parameters (its slice of the weights, at ``precision``) as an orbax
+    checkpoint with its digest record (:func:`jaxserve.keys_manager.save_stage_checkpoint`), and
+    the model's config and tokenizer file beside it, so a shadow reads this block and nothing
+    else (:func:`load_text_block`). Skipped when the recorded digest is already these arrays'
+    (then nothing but the digest is computed). Returns (the directory, whether it was written)."""
+    from jaxserve.keys_manager import params_digest, params_from_state, recorded_digest, save_stage_checkpoint
+    from jaxserve.registry import load_text_model
+
+    block = runner.stage
+    directory = block_dir(cache_root, block, precision)
+    params = params_from_state(runner.weights)
+    if recorded_digest(directory) == params_digest(params) and (directory / _BLOCK_MODEL).exists():
+        return directory, False
+    cfg, _, tokenizer_json = load_text_model(block.model)  # the config and the tokenizer's path
+    (directory / _BLOCK_MODEL).unlink(missing_ok=True)
+    save_stage_checkpoint(directory, params)
+    (directory / _BLOCK_MODEL).write_text(json.dumps({"config": dataclasses.asdict(cfg),
+                                                       "tokenizer": str(Path(tokenizer_json).absolute())}))
+    return directory, True
+
+
+@dataclass
+class PreparedBlock:
+    """What a warm pool worker keeps of a candidate block before any shadow needs it: the
+    model's config, the block's warmed (and primed) stage table, and where its tokenizer is.
+    Executables take the weights as arguments, so these hold no parameters: a shadow made from
+    them only reads the block's parameters (:func:`load_text_block`)."""
+
+    block: Stage
+    cfg: Any
+    table: Any
+    tokenizer_json: str
+
+
+def prepare_text_block(block: Stage, grid, cache: CompileCache | None, *, precision: str = "f32",
+                       tune: bool = False, prime: bool = True) -> PreparedBlock:
+    """``block``'s stage table warmed from ``cache`` (``prime``: every cell run once, on zero
+    weights), and the config it needs: from the block's checkpoint record when there is one
+    (no array read), else from the whole model."""
+    import numpy as np
+
+    from jaxserve.models.bert import BertConfig
     from jaxserve.polymorph import PolymorphTable
-    from jaxserve.registry import load_text_model, text_heads_reader
-    from jaxserve.runtime import TextRuntime
-    from jaxserve.models.tokenizer import TextTokenizer
-    from jaxserve.servables import bert_stage_servable, weights_of
-    from jaxserve.stages import slice_stage_weights
+    from jaxserve.registry import load_text_model
+    from jaxserve.servables import bert_stage_servable
+    from jaxserve.stages import prime_table
 
-    cfg, module, tokenizer_json = load_text_model(model)
-    if block.model != model or block.num_layers != cfg.num_layers or block.whole:
-        raise ValueError(f"{block.label()} is not a block of {model} ({cfg.num_layers} layers)")
-    servable = bert_stage_servable(model, cfg, grid, block.start, block.stop, precision)
+    if block.whole:
+        raise ValueError(f"{block.label()}: a pool worker holds blocks, not whole models")
+    meta = _block_meta(cache, block, precision)
+    if meta is not None:
+        cfg, tokenizer_json = BertConfig(**meta["config"]), meta["tokenizer"]
+    else:
+        cfg, _, tokenizer_json = load_text_model(block.model)
+    if block.num_layers != cfg.num_layers:
+        raise ValueError(f"{block.label()} is not a block of {block.model} ({cfg.num_layers} layers)")
+    servable = bert_stage_servable(block.model, cfg, grid, block.start, block.stop, precision)
     table = PolymorphTable(servable, cache, tune=tune)
     table.warmup()
-    weights = slice_stage_weights(weights_of(module, precision), servable.abstract_state, block.start)
-    del module  # the other layers' arrays go with it: the slice shares only the block's
+    if prime:
+        import jax
+
+        zeros = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), servable.abstract_state)
+        prime_table(table, zeros)
+    return PreparedBlock(block, cfg, table, str(tokenizer_json))
+
+
+def _block_meta(cache: CompileCache | None, block: Stage, precision: str) -> dict | None:
+    """The block checkpoint's model record, if its checkpoint is intact (else None)."""
+    from jaxserve.keys_manager import recorded_digest
+
+    if cache is None:
+        return None
+    directory = block_dir(cache.root, block, precision)
+    if recorded_digest(directory) is None or not (directory / _BLOCK_MODEL).exists():
+        return None
+    return json.loads((directory / _BLOCK_MODEL).read_text())
+
+
+def load_text_block(model: str, block: Stage, grid, cache: CompileCache | None, *, precision: str = "f32",
+                    tune: bool = False, prime: bool = True, heads_dir: str | None = None,
+                    prepared: PreparedBlock | None = None) -> StageRuntime:
+    """Only ``block`` of the text model ``model``: its stage table (``prepared``'s, else warmed
+    from ``cache`` now: :func:`prepare_text_block`) and its parameters; the parent it hangs on
+    holds no table and no weights, only what a stage borrows (tokenizer for a first block; for a
+    last one the task heads, read from ``heads_dir``, None: the shipped ones, and re-read by its
+    ``read_assets`` on a reload). What a pool worker loads (§3.4).
+
+    The parameters come from the block's own checkpoint in the cache
+    (:func:`write_block_checkpoint`, which a server's start writes) when its record is intact:
+    only the block's bytes are read. Else the whole model is read and sliced."""
+    from jaxserve.keys_manager import load_stage_params, state_from_params
+    from jaxserve.models.tokenizer import TextTokenizer
+    from jaxserve.registry import load_text_model, text_heads_reader
+    from jaxserve.runtime import TextRuntime
+    from jaxserve.servables import weights_of
+    from jaxserve.stages import slice_stage_weights
+
+    if block.model != model or block.whole:
+        raise ValueError(f"{block.label()} is not a block of {model}")
+    if prepared is None or prepared.block != block:
+        prepared = prepare_text_block(block, grid, cache, precision=precision, tune=tune, prime=prime)
+    cfg, table = prepared.cfg, prepared.table
+    abstract = table.servable.abstract_state
+    if _block_meta(cache, block, precision) is not None:
+        weights = state_from_params(abstract, load_stage_params(block_dir(cache.root, block, precision)))
+    else:
+        _, module, _ = load_text_model(model)
+        weights = slice_stage_weights(weights_of(module, precision), abstract, block.start)
+        del module  # the other layers' arrays go with it: the slice shares only the block's
     read_assets = text_heads_reader(model, None if heads_dir is None else Path(heads_dir), cfg.hidden_size) \
         if block.last else None
     heads = read_assets()[0] if read_assets is not None else {}
-    tokenizer = TextTokenizer(tokenizer_json) if block.first else None
+    tokenizer = TextTokenizer(prepared.tokenizer_json) if block.first else None
     parent = TextRuntime(model, None, None, heads, num_layers=cfg.num_layers, tokenizer=tokenizer,
                          embedding_dim=cfg.hidden_size, read_assets=read_assets)
-    runner = StageRuntime(block, parent, table, weights)
-    if prime:
-        prime_stage(runner)
-    return runner
+    return StageRuntime(block, parent, table, weights)
 
 
 # ------------------------------------------------------------------ the container pool, on Ray
@@ -229,8 +328,21 @@ if ray is not None:
         def __init__(self, spec: WorkerSpec):
             super().__init__(spec)
             import jax
+            import orbax.checkpoint  # noqa: F401  (what reading a block checkpoint imports: 0.3 s)
 
             jax.devices()  # warm: the imports and the backend a fresh process pays before any load
+            self._prepared: dict[Stage, PreparedBlock] = {}
+
+        def prepare(self, blocks: Sequence[Stage]) -> list[str]:
+            """Warm the candidate blocks' executables (no parameters) before any shadow needs
+            them, as the paper's pool keeps its runtime ready; returns their labels."""
+            spec = self._spec
+            for block in blocks:
+                if block not in self._prepared:
+                    self._prepared[block] = prepare_text_block(block, spec.text_grid, self._open_cache(),
+                                                               precision=spec.precision, tune=spec.tune,
+                                                               prime=spec.prime)
+            return [b.label() for b in self._prepared]
 
         def _runner(self, stage: Stage):
             spec = self._spec
@@ -238,7 +350,8 @@ if ray is not None:
                 raise ValueError(f"{stage.label()}: a pool worker holds blocks, not whole models")
             heads_dir = spec.heads_dir if stage.model == "minilm-l6" else None  # as jaxserve.launch.load_runtimes
             return load_text_block(stage.model, stage, spec.text_grid, self._open_cache(), precision=spec.precision,
-                                   tune=spec.tune, prime=spec.prime, heads_dir=heads_dir)
+                                   tune=spec.tune, prime=spec.prime, heads_dir=heads_dir,
+                                   prepared=self._prepared.get(stage))
 
         def unload(self, stage: Stage):
             self._runners.pop(stage, None)
@@ -332,9 +445,11 @@ if ray is not None:
             return out
 
         def refill(self) -> None:
-            """Start a warm pool worker if there is none."""
+            """Start a warm pool worker if there is none, and have it prepare the policy's
+            candidate blocks (their executables, no parameters: :meth:`ShadowHost.prepare`)."""
             if self._pool is None:
                 self._pool = self._worker(PoolWorker, -1, self.pool_cores)
+                self._pool.actor.prepare.remote([s.block for s in self.policy.model.splits])
 
         def __call__(self, wid: int):
             inst = self.policy.instance(wid)

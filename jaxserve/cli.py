@@ -138,6 +138,12 @@ def cmd_warmup(args) -> int:
                 built = build_stage_runtimes(rt, stages, cache, progress=settings.progress, tune=settings.tune,
                                              stop=stop)
                 tables.update({stage.label(): srt.table for stage, srt in built.items()})
+                if "asyfunc" in settings.extra:  # and each shadow block's own checkpoint
+                    from jaxserve.asyfunc_exec import write_block_checkpoint
+
+                    for split in settings.extra["asyfunc"]["model"].splits:
+                        path, written = write_block_checkpoint(built[split.block], cache.root, settings.precision)
+                        print(f"{split.block.label()}: checkpoint {'written' if written else 'up to date'} ({path})")
     for name, table in tables.items():
         sources = {}
         for s in table.stats.values():

@@ -273,12 +273,17 @@ def build_stage_runtimes(parent: ModelRuntime, stages: Sequence[Stage], cache: C
 
 
 def prime_stage(runner: StageRuntime, stop: Callable[[], bool] | None = None) -> None:
-    """Run every cell of ``runner``'s table once on placeholder inputs (ones for integer
-    inputs, 0.02 elsewhere), so its first real steps do not pay the executables' one-time
+    """Run every cell of ``runner``'s table once on its weights (:func:`prime_table`)."""
+    prime_table(runner.table, runner.weights, stop)
+
+
+def prime_table(table: PolymorphTable, weights: Any, stop: Callable[[], bool] | None = None) -> None:
+    """Run every cell of ``table`` once with ``weights`` on placeholder inputs (ones for integer
+    inputs, 0.02 elsewhere), so the first real steps do not pay the executables' one-time
     costs; ``stop`` is asked before each cell (``raise_if_stopped``)."""
-    servable = runner.table.servable
-    for cell in runner.grid.cells():
+    servable = table.servable
+    for cell in servable.grid.cells():
         raise_if_stopped(stop)
         args = [np.ones(s.shape, s.dtype) if np.issubdtype(s.dtype, np.integer) else np.full(s.shape, 0.02, s.dtype)
                 for s in servable.input_specs(cell)]
-        jax.block_until_ready(runner.table.executable(cell)(runner.weights, *args))
+        jax.block_until_ready(table.executable(cell)(weights, *args))

@@ -177,6 +177,12 @@ def test_a_killed_ray_shadow_s_rows_are_recomputed_by_its_body_and_answered_once
         embeddings(c, SENTENCES)  # the burst that starts the shadow
         sid = shadow_ready(srv, f"{MODEL}[2:4]")
         engine = srv.app.state.jaxserve.engine
+        # the server's start wrote the block's own checkpoint: the pool actor read that, not the model
+        from jaxserve.asyfunc_exec import block_dir
+        from jaxserve.keys_manager import recorded_digest
+        from jaxserve.sched.base import Stage
+
+        assert recorded_digest(block_dir(cache_dir, Stage(MODEL, 2, 4, L))) is not None
         engine.workers[sid].kill()  # its process ends; the policy still pairs it with the body
         answers = c.post("/v1/embeddings", json={"model": MODEL, "input": SENTENCES}).json()["data"]
         assert len(answers) == len(SENTENCES) and [a["index"] for a in answers] == list(range(len(SENTENCES)))

@@ -12,6 +12,7 @@ import os
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 import ray
@@ -112,6 +113,44 @@ def test_a_split_batch_answers_as_the_unsplit_model(runtime, bodies, cache_dir, 
     finally:
         shadow.close()
     assert compile_count() == compiles  # everything was warmed at load
+
+
+def test_a_shadow_reads_its_block_checkpoint_and_never_a_stale_one(runtime, bodies, cache_dir):
+    """load_text_block reads the block's own checkpoint when its record is intact: parameters
+    saved there (here: altered ones) are what it computes with. Rewriting the checkpoint from the
+    model (what a server's start does when the digests differ) brings the model's block back; a
+    checkpoint whose files no longer match their record is not read (the whole model is)."""
+    from jaxserve.asyfunc_exec import block_dir, write_block_checkpoint
+    from jaxserve.keys_manager import params_from_state, save_stage_checkpoint
+
+    block = BLOCKS[0]
+    body = bodies[block]
+    cache = CompileCache(str(cache_dir))
+    payloads, tasks = payloads_of(runtime, 4, seed=7)
+    want = runtime.execute(GRID.cell_for(4, max(map(len, payloads))), payloads, tasks).items
+
+    def split_answers():
+        runner = load_text_block(MODEL, block, GRID, cache, prime=False)
+        shadow = ThreadWorker(1, {block: runner}.__getitem__, [block])
+        try:
+            return body.run(payloads, tasks, 2, shadow)[0]
+        finally:
+            shadow.close()
+
+    directory, written = write_block_checkpoint(body.runners[block], cache.root)
+    assert directory == block_dir(cache.root, block) and written
+    assert write_block_checkpoint(body.runners[block], cache.root) == (directory, False)  # up to date
+    assert max_abs_diff(split_answers(), want) <= ATOL
+    altered = jax.tree_util.tree_map(lambda a: a * 1.5, params_from_state(body.runners[block].weights))
+    save_stage_checkpoint(directory, altered)  # another digest, recorded: read as the block's
+    assert max_abs_diff(split_answers(), want) > 1e-3
+    assert write_block_checkpoint(body.runners[block], cache.root) == (directory, True)  # the model's again
+    assert max_abs_diff(split_answers(), want) <= ATOL
+    save_stage_checkpoint(directory, altered)
+    record = directory / "digest.json"
+    record.write_text(record.read_text().replace('"sha256"', '"sha256_old"'))  # no digest: not trusted
+    assert max_abs_diff(split_answers(), want) <= ATOL
+    assert write_block_checkpoint(body.runners[block], cache.root) == (directory, True)  # for the pool's tests
 
 
 def runtime_bytes(runtime) -> int:
