@@ -396,7 +396,7 @@ def _profile_layers(args) -> int:
     out = Path(args.out or default_cost_model_path(args.cache_dir, args.precision))
     cores = tuple(c for c in (1, 2) if c <= len(os.sched_getaffinity(0)))
     for name in _models(args):
-        profile = profile_layers(name, cores=cores, repeats=args.repeats, progress=True)
+        profile = profile_layers(name, cores=cores, repeats=args.repeats, progress=True, clock=args.clock)
         path = write_layers(out, profile, machine_description())
         corr = profile["correlation"]
         print(f"{name}: sensitivity vs memory over {corr['units']} units: Pearson {corr['pearson']:+.2f}, "
@@ -842,6 +842,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--layers", action="store_true",
                     help="instead: AsyFunc's per-layer sensitivity, memory, load time, shadow blocks and stage costs "
                          "at 1 and 2 cores, into the cost model (--out) and its sibling X.layers.json")
+    sp.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                    help="--layers: time calls by process CPU time over cores (robust on shared cores) or by the "
+                         "wall clock (on a quiet machine: what a live worker pinned to those cores takes)")
     sp.add_argument("--cascade", action="store_true",
                     help="instead: profile Tabi's cascade candidates of every text task on validation, report "
                          "the chosen ones on test, write jaxserve/profiles/cascade.json and the replay files")

@@ -390,8 +390,11 @@ def build_engine(settings: ServeSettings, stop: Callable[[], bool] | None = None
         workers, factory, catalog = make_asyfunc_workers(settings, runtimes, policy, cache, stop)
     else:
         workers, factory = make_workers(settings, runtimes)
+    default_slo_ms = settings.slo_ms
+    if default_slo_ms is None and settings.policy in ASYFUNC_POLICIES:  # it plans every request against its SLO
+        default_slo_ms = policy.knobs.slo_s * 1e3
     return Engine(engine_runtimes(policy, runtimes), policy, instances=settings.instances,
-                  max_queue=settings.max_queue, default_slo_ms=settings.slo_ms, workers=workers,
+                  max_queue=settings.max_queue, default_slo_ms=default_slo_ms, workers=workers,
                   worker_factory=factory, catalog=catalog, cost_model=cost, correct_prices=settings.correct_prices)
 
 
@@ -404,7 +407,9 @@ def make_asyfunc_workers(settings: ServeSettings, runtimes: Mapping[str, ModelRu
 
     Thread workers (``--workers thread``) share this process's cores, so instances' cores are
     the policy's accounting only. Ray workers (:class:`~jaxserve.asyfunc_exec.AsyFuncRayWorkers`)
-    are pinned to their cores, and shadows start from the node's warm pool worker."""
+    are pinned to their cores, and shadows start from the node's warm pool worker, reading only
+    their block's checkpoint, written here into the cache if it is missing or stale
+    (:func:`~jaxserve.asyfunc_exec.write_block_checkpoint`)."""
     from jaxserve.stages import build_stage_runtimes, prime_stage
     from jaxserve.workers import ThreadWorker
 
@@ -425,9 +430,12 @@ def make_asyfunc_workers(settings: ServeSettings, runtimes: Mapping[str, ModelRu
         return workers, (lambda wid: ThreadWorker(wid, catalog)), catalog
     if settings.workers != "ray":
         raise ValueError(f"unknown workers {settings.workers!r}; known: thread, ray")
-    from jaxserve.asyfunc_exec import AsyFuncRayWorkers
+    from jaxserve.asyfunc_exec import AsyFuncRayWorkers, write_block_checkpoint
     from jaxserve.ray_workers import WorkerSpec
 
+    if cache is not None:  # what a shadow reads: its block's parameters only
+        for split in policy.model.splits:
+            write_block_checkpoint(runners[split.block], cache.root, settings.precision)
     factory = AsyFuncRayWorkers(WorkerSpec.from_settings(settings), policy,
                                 pool_cores=max(1, policy.knobs.c_max // 2))
     return factory.bodies(stages), factory, catalog
@@ -507,6 +515,7 @@ def with_asyfunc(settings: ServeSettings) -> ServeSettings:
     text grid set to what the policy plans over: the profile's sequence bucket (AsyFunc has one
     queue of one input shape; longer requests are refused) and its batch sizes up to ``b_max``
     (4), so warmup compiles those cells only, for the whole model and every stage a split runs.
+    With Ray workers the shadow's rows are priced at the Ray hop (:data:`RAY_HOP_S`).
     Other policies' settings are returned as they are. ValueError with the reason (no profile,
     not one text model, no such model in the profile)."""
     if settings.policy not in ASYFUNC_POLICIES:
@@ -523,9 +532,10 @@ def with_asyfunc(settings: ServeSettings) -> ServeSettings:
     if not path.exists():
         raise ValueError(f"--policy {settings.policy} plans with a layer profile: {path} is missing (jaxserve "
                          f"profile --layers --model {name}, or --layer-profile PATH)")
+    hop = dict(transfer_hop_s=RAY_HOP_S, transfer_bytes_per_s=RAY_BYTES_PER_S) if settings.workers == "ray" else {}
     try:
         model = model_from_layers(json.loads(path.read_text()), name, batch_sizes=ASYFUNC_BATCHES,
-                                  body_start_s=ASYFUNC_BODY_START_S, shadow_start_s=ASYFUNC_SHADOW_START_S)
+                                  body_start_s=ASYFUNC_BODY_START_S, shadow_start_s=ASYFUNC_SHADOW_START_S, **hop)
     except KeyError as exc:
         raise ValueError(f"{path}: {exc.args[0]}") from None
     if not model.seq:
@@ -535,6 +545,12 @@ def with_asyfunc(settings: ServeSettings) -> ServeSettings:
 
 
 ASYFUNC_BATCHES = (1, 2, 4)  # the policy's batches: b_max = 4 (the paper's B_max) and what a split pads to
+# How AsyFunc prices a shadow's rows moving between Ray actors (each way): a hop and a rate, as
+# bench/workers.py measured them between two actors on this machine (bench/profiles/ray-transfer.json:
+# 3.86 ms, 0.15 ms per MB). Thread workers move rows within the process: the model's default (shared
+# memory, no hop).
+RAY_HOP_S = 3.86e-3
+RAY_BYTES_PER_S = 6.99e9
 
 
 def make_asyfunc_policy(settings: ServeSettings, grids: Mapping[str, ShapeGrid]):
@@ -585,10 +601,11 @@ ASYFUNC_BODY_START_S = 3.8
 ASYFUNC_SHADOW_START_S = 0.0
 
 
-def simulate_asyfunc(variant: str, model, knobs, trace, *, initial_rate: float, latency_noise: float = 0.0,
-                     seed: int = 0):
+def simulate_asyfunc(variant: str, model, knobs, trace, *, initial_rate: float | None = None, policy=None,
+                     latency_noise: float = 0.0, seed: int = 0):
     """AsyFunc (or a baseline, ``variant``) on ``trace``, simulated: bodies for ``initial_rate``
-    to start with (loaded), every step priced at its instance's cores by the policy, the
+    to start with (loaded), or ``policy`` as given (a fresh one, e.g. a live server's:
+    :func:`make_asyfunc_policy`), every step priced at its instance's cores by the policy, the
     shadow's rows moved at the model's transfer rate, a new body loading in
     ``model.body_load_s`` and a shadow's block in its split's ``load_s`` (a body loading the
     stages it splits at pays the block's load too: its executables, conservatively priced as
@@ -596,8 +613,10 @@ def simulate_asyfunc(variant: str, model, knobs, trace, *, initial_rate: float, 
     from jaxserve.sched.asyfunc import AsyFuncPolicy, initial_bodies
     from jaxserve.simulator import Transfer, simulate
 
-    bodies = initial_bodies(model, knobs, initial_rate, variant)
-    policy = AsyFuncPolicy(model, knobs, bodies, variant)
+    if policy is None:
+        policy = AsyFuncPolicy(model, knobs, initial_bodies(model, knobs, initial_rate, variant), variant)
+    model, knobs = policy.model, policy.knobs
+    bodies = policy.bodies()
     stages = frozenset(model.body_stages())
     transfer = Transfer(model.transfer_bytes_per_s, model.transfer_hop_s,
                         lambda batch: len(batch.request_ids) * model.row_bytes)

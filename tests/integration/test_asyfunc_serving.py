@@ -121,6 +121,18 @@ def test_without_layer_level_scaling_a_burst_never_adds_a_shadow(policy, profile
         assert gauge(srv.url, "asyfunc_cores", kind="body") == (2 if policy == "asyfunc-batch" else 1)
 
 
+def test_without_slo_ms_every_request_gets_the_policy_s_slo_as_its_deadline(profile_path, cache_dir):
+    """AsyFunc plans every request against one SLO (default: 3x the whole model at (c_max, b_max),
+    here 3 x 20 ms): a request that sends no slo_ms gets it as its deadline."""
+    import dataclasses
+
+    settings = dataclasses.replace(settings_for("asyfunc", profile_path, cache_dir), slo_ms=None)
+    with LiveServer(settings) as srv:
+        engine = srv.app.state.jaxserve.engine
+        assert engine.policy.knobs.slo_s == pytest.approx(0.060)
+        assert engine.default_slo_ms == pytest.approx(60.0)
+
+
 def test_a_request_longer_than_the_profiled_bucket_is_refused_with_the_limit(profile_path, cache_dir):
     with LiveServer(settings_for("asyfunc", profile_path, cache_dir)) as srv, \
             httpx.Client(base_url=srv.url, timeout=120) as c:
