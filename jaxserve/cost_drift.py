@@ -107,8 +107,10 @@ class CostDrift:
     def due(self, model: str, cell: Cell) -> bool:
         """Whether the corrections of ``cell`` or of its model moved by more than ``reprice_step``
         (relative) since the last :meth:`mark_pushed`: time to hand the policy new prices."""
+        # a cell first measured after a push was given its model's pushed ratio then (its fallback)
+        model_pushed = self._pushed.get((model, None), 1.0)
         for key, now in (((model, cell), self.ratio(model, cell)), ((model, None), self.model_ratio(model))):
-            last = self._pushed.get(key, 1.0)
+            last = self._pushed.get(key, model_pushed)
             if abs(now / last - 1.0) > self.reprice_step:
                 return True
         return False

@@ -73,6 +73,22 @@ def test_due_after_a_five_percent_move_and_not_again_until_the_next():
     assert not d.due("m", A) and d.reprices == 1
 
 
+def test_a_cell_seen_after_a_push_is_not_due_while_it_follows_its_model():
+    """A cell first measured after a push was priced then at its model's ratio (the fallback);
+    measured at that ratio it moves nothing, so no reprice is due; measured 10% off, one is."""
+    d = CostDrift(cost(), min_samples=2)
+    for _ in range(4):
+        d.observe("m", A, 0.020)  # 2x
+    assert d.due("m", A)
+    d.mark_pushed()
+    for _ in range(2):
+        d.observe("m", B, 0.040)  # 2x as well: what the policy was given for B
+    assert not d.due("m", B)
+    for _ in range(20):
+        d.observe("m", B, 0.044)  # 2.2x: 10% above what it was given
+    assert d.due("m", B)
+
+
 @pytest.mark.parametrize("ratio, outside", [(1.31, True), (1.29, False), (1 / 1.29, False), (1 / 1.31, True)])
 def test_the_warning_bound_is_thirty_percent_either_way(ratio, outside):
     d = CostDrift(cost(), min_samples=1)
