@@ -290,12 +290,15 @@ def report(results, cvs, fig3, cv_model, fit_err, n_samples, t_profile, args, to
         "Queues and replicas per stage (the whole-model baselines have one stage):", queues,
         f"CV per stage on the static 8-stage pipeline at 60% of its slowest stage's capacity (Fig. 3):", cvtab,
     ])
+    lm = LoadModel()
     notes = (
         f"Model: {MODEL} from bench/profiles/bert-base-cpu.json (this machine's CPU profile), cut into 8 stages by "
         f"equal layer costs (layers per stage {[s.stop - s.start for s in setup()[2]]}). 48 workers at most (12 "
         "servers x 4 accelerators). QUART plans with the SLO 2x the profiled time; goodput counts answers within "
-        "2x per second of the run. Load times: LoadModel's defaults (cache 0.05 s + 12 ms/92 MB; disk: 2.57 s actor "
-        "+ 2.77 s executables + 85 ms/92 MB warm or 200 MB/s cold). CPU compensation prices 20% of a step as CPU "
+        f"2x per second of the run. Load times: LoadModel's defaults (cache {lm.cache_fixed_s:g} s + "
+        f"{lm.cache_s_per_mb * 92e3:.1f} ms/92 MB; disk: {lm.actor_start_s:g} s actor + {lm.executables_s:g} s "
+        f"executables + {lm.page_s_per_mb * 92e3:.0f} ms/92 MB warm or {lm.cold_disk_mb_per_s:g} MB/s cold: the "
+        "cache and restore rates measured in section quart_cache). CPU compensation prices 20% of a step as CPU "
         "work scaling with cores (an assumption, not measured here). "
         f"CV propagation fitted on {n_samples} stage pairs: cv_out^2 = {cv_model.w0:.3f} + {cv_model.w1:.3f} "
         f"(1 - rho^2) cv_in^2 + {cv_model.w2:.3f} rho^2, mean relative error {fit_err:.1%}. "

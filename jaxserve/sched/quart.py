@@ -343,18 +343,21 @@ class LoadModel:
 
     ``cache``: the host's parameter cache (the KeysManager keeps the stage warm on the host,
     the analogue of the paper's forked process: only the copy of the parameters is paid,
-    ``12 ms per 92 MB`` from Ray's object store, plus ``cache_fixed_s`` to hand the warm
-    process an accelerator). ``page``: from disk through the page cache (``85 ms per 92 MB``
-    for a pickle), plus a new worker's start (``actor_start_s``, an empty Ray actor measured
-    at 2.57 s) and its executables (``executables_s``: 5.34 s of loading a stage in an actor
-    minus its weights). ``cold``: the same from a cold disk at ``cold_disk_mb_per_s`` (an
-    assumption, 200 MB/s: a cloud block device; the paper's 45 s for 43 GB is ~1 GB/s). The
-    object-store and page-cache rates are the issue's measurements on this machine; the
-    actor numbers bench/RESULTS.md's "Ray actors against thread workers"."""
+    ``36.3 ms per 92 MB``, a lease, ``ray.get`` from the object store and the replica's private
+    copy onto its device, plus ``cache_fixed_s`` to hand the warm process an accelerator, an
+    assumption). ``page``: from disk through the page cache (``249 ms per 92 MB``, an orbax
+    restore of the stage's checkpoint), plus a new worker's start (``actor_start_s``, an empty
+    Ray actor measured at 2.57 s) and its executables (``executables_s``: 5.34 s of loading a
+    stage in an actor minus its weights). ``cold``: the same from a cold disk at
+    ``cold_disk_mb_per_s`` (an assumption, 200 MB/s: a cloud block device; the paper's 45 s for
+    43 GB is ~1 GB/s; dropping this VM's page cache does not reach its host's, so it was not
+    measured here). The cache and restore rates are bench/RESULTS.md's ``quart_cache`` (the
+    KeysManager on this machine, per 92 MB over BERT-base's and MPNet's stages); the actor
+    numbers its "Ray actors against thread workers"."""
 
-    cache_s_per_mb: float = 0.012 / 92
+    cache_s_per_mb: float = 0.0363 / 92
     cache_fixed_s: float = 0.05
-    page_s_per_mb: float = 0.085 / 92
+    page_s_per_mb: float = 0.2488 / 92
     cold_disk_mb_per_s: float = 200.0
     actor_start_s: float = 2.57
     executables_s: float = 2.77

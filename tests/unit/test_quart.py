@@ -96,7 +96,8 @@ def test_parameter_cache_is_lru_under_its_high_water_mark():
 
 def test_load_model_cache_is_much_faster_than_disk():
     lm = LoadModel()
-    assert lm.seconds(92, "cache") == pytest.approx(0.05 + 0.012)
+    assert lm.seconds(92, "cache") == pytest.approx(0.05 + 0.0363)  # bench/RESULTS.md quart_cache, per 92 MB
+    assert lm.seconds(92, "page") == pytest.approx(2.57 + 2.77 + 0.2488)
     assert lm.seconds(92, "cache") < 0.1 * lm.seconds(92, "page") < lm.seconds(92, "cold")
 
 
