@@ -526,6 +526,13 @@ class SelectiveBatchingPolicy(Policy):
         p = self._pricer
         self._pricer = _Pricer(p.model, p.latency, accuracy, p.grid, p.gammas)
 
+    def reprice(self, cost_model: CostModel, now: float) -> None:
+        """Price batches with ``cost_model``'s latency of this model from the next decision on
+        (the engine's measured correction). Batches already dispatched keep their prices."""
+        p = self._pricer
+        if p.model in cost_model.latency:
+            self._pricer = _Pricer(p.model, cost_model.latency[p.model], p.accuracy, p.grid, p.gammas)
+
     def on_arrival(self, request: Request, now: float) -> None:
         self._start(now)
         self._arrivals.append(now)
@@ -750,6 +757,12 @@ class OTASPolicy(SelectiveBatchingPolicy):
         super().use_accuracy(accuracy)
         p = self._pricer
         self.load_map = LoadToGamma.from_profile(p.latency, accuracy, p.grid, p.gammas, self.params.headroom)
+
+    def reprice(self, cost_model: CostModel, now: float) -> None:
+        """As the base class's, and Alg. 3's load map is rebuilt from the new latency."""
+        super().reprice(cost_model, now)
+        p = self._pricer
+        self.load_map = LoadToGamma.from_profile(p.latency, p.accuracy, p.grid, p.gammas, self.params.headroom)
 
     @classmethod
     def from_cost_model(cls, cost: CostModel, model: str, grid: ShapeGrid, **kwargs) -> "OTASPolicy":

@@ -352,6 +352,11 @@ class TabiPolicy(Policy):
         self.tokens_in = 0  # tokens of the rerouted requests' inputs before and after pruning
         self.tokens_pruned = 0
 
+    def reprice(self, cost_model: CostModel, now: float) -> None:
+        """Every level's batching plans with the engine's measured prices from now on (the
+        cascade's choice, made from the cascade profile at start, stays)."""
+        self.batching.reprice(cost_model, now)
+
     def first_model(self, task: str) -> str:
         return self.candidate(task).levels[0]
 

@@ -123,3 +123,30 @@ def test_arlo_reprices_its_groups_queues_and_its_solver_estimate():
     assert [list(q.latency) for q in batcher._queues] == [[2 * t for t in row] for row in before]
     for new, old in zip(p.runtime.groups.latency, estimate):
         assert list(new) == pytest.approx([2 * t for t in old])
+
+
+def test_otas_prices_its_gamma_options_and_its_load_map_at_the_new_prices():
+    from jaxserve.sched.otas import OTASPolicy
+
+    grid = ShapeGrid(batch_sizes=(1, 4), gammas=(0, 2))
+    table = {Cell(b, 0, g): 0.002 * b * (1 + g) for b in (1, 4) for g in (0, 2)}
+    acc = AccuracyProfile("v", {("t", 0): 0.9, ("t", 2): 0.95})
+    p = OTASPolicy("v", LatencyProfile("v", table), acc, grid)
+    before = {g: p._pricer.seconds(4, g) for g in (0, 2)}
+    rates = [rate for _, rate, _ in p.load_map.rows]
+    p.reprice(CostModel({"v": LatencyProfile("v", {c: 2 * t for c, t in table.items()})}), 0.0)
+    assert {g: p._pricer.seconds(4, g) for g in (0, 2)} == pytest.approx({g: 2 * t for g, t in before.items()})
+    assert [rate for _, rate, _ in p.load_map.rows] == pytest.approx([r / 2 for r in rates])
+    assert p._pricer.accuracy is acc  # prices change, accuracy stays
+
+
+def test_tabi_reprices_the_batching_of_every_level():
+    from jaxserve.sched.tabi import Candidate, TabiPolicy
+
+    grid = ShapeGrid(batch_sizes=(1, 4), seq_buckets=(16,))
+    cand = Candidate("t", ("m",))
+    p = TabiPolicy({"t": cand}, {"m": grid}, cost(), {"t": ("a", "b")}, max_wait=0.0)
+    p.reprice(cost(0.020, 0.040), 0.0)
+    assert p.batching.cost_model.latency["m"].latency(A) == 0.020
+    (q,) = [q for q in p.batching._queues if q.model == "m"]
+    assert q.latency1 == pytest.approx(0.020)
