@@ -316,7 +316,7 @@ def load_text_block(model: str, block: Stage, grid, cache: CompileCache | None, 
 try:
     import ray
 
-    from jaxserve.ray_workers import RayWorker, StageHost, WorkerSpec
+    from jaxserve.ray_workers import RayWorker, StageHost, WorkerSpec, all_ready
 except ImportError:  # pragma: no cover - the ray extra is not installed
     ray = None
 
@@ -434,13 +434,7 @@ if ray is not None:
             while (inst := self.policy.instance(wid)) is not None:
                 out.append(self._worker(RayWorker, wid, inst[1], stages))
                 wid += 1
-            try:
-                for worker in out:
-                    worker.ready.result()
-            except BaseException:
-                for worker in out:
-                    worker.close()
-                raise
+            all_ready(out)
             self.refill()
             return out
 

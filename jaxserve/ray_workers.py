@@ -503,11 +503,16 @@ def make_ray_workers(settings: Any, n: int, stages_for_worker: Callable[[int], S
     factory = ray_worker_factory(settings, worker_cpus, gpus)
     workers = [factory(first_id + i, tuple(stages_of(i))) for i in range(n)]
     if wait:
-        try:
-            for worker in workers:
-                worker.ready.result()
-        except BaseException:
-            for worker in workers:
-                worker.close()
-            raise
+        all_ready(workers)
     return workers
+
+
+def all_ready(workers: Sequence[RayWorker]) -> None:
+    """Wait until every worker is ready; if one fails, close them all and raise its error."""
+    try:
+        for worker in workers:
+            worker.ready.result()
+    except BaseException:
+        for worker in workers:
+            worker.close()
+        raise
