@@ -15,6 +15,9 @@ loop, which is busy with HTTP). The server reports it per batch as
 compute_ms``; ``bench/fidelity.py`` measures it on a calibration trace. The policy
 does not see it, live or simulated: its cost model prices compute only.
 
+The idle instances are handed to ``plan`` in increasing id order, as the engine hands them
+(tests/integration/test_sim_live_decisions.py: the same batches on the same workers as live).
+
 Simultaneous events run completions first (they free instances), then clients
 leaving (below), then arrivals in trace order, then the wake-up; ``plan`` is called
 after each one.
@@ -55,6 +58,7 @@ keep their outcomes (the client got that answer, or would have).
 from __future__ import annotations
 
 import math
+from bisect import insort
 from dataclasses import dataclass, field
 from heapq import heappop, heappush
 from typing import Callable, Mapping
@@ -444,7 +448,7 @@ def simulate(
             if change.action == "load":
                 stages[w] = stages[w] | {change.stage}
             busy[w] = False
-            idle.append(w)
+            insort(idle, w)
             policy.on_placement(change, True, load_time(change.stage) if change.stage else worker_start, now)
             policy.on_workers(views(), now)
         elif tl < tc and tl <= ta and tl <= wake:
@@ -484,7 +488,7 @@ def simulate(
                 policy.on_workers(views(), now)
             else:
                 busy[inst] = False
-                idle.append(inst)
+                insort(idle, inst)
             on_completion(batch, now, summaries)
         elif ta <= wake:
             now = ta
