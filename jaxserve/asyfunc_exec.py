@@ -389,8 +389,9 @@ if ray is not None:
         a **body** is a new :class:`~jaxserve.ray_workers.RayWorker`, started empty; the policy
         then loads the body's stages one by one. A **shadow** is the node's warm pool worker
         (§4.2), handed over as it is (process up and JAX imported, unless two shadows come
-        within its start time: then its load waits behind the start), re-numbered ``wid`` and re-pinned to its cores; a new pool worker starts at
-        once in its place, so the next shadow finds one warm too.
+        within its start time: then its load waits behind the start), re-numbered ``wid`` and
+        re-pinned to its cores; a new pool worker starts at once in its place, so the next
+        shadow finds one warm too.
 
         **Cores.** Every actor is pinned to as many CPU ids as its instance has cores
         (:func:`~jaxserve.ray_workers.pin_process`), the least-used ones of this process's
@@ -413,12 +414,13 @@ if ray is not None:
 
         def _pick(self, cores: int) -> tuple[int, ...]:
             """``cores`` CPU ids, the least used by live pinned workers first (then the lowest)."""
-            self._pinned = {k: v for k, v in self._pinned.items() if not v[0]._closed}
+            self._pinned = {k: v for k, v in self._pinned.items() if not v[0].closed}
             use = {c: 0 for c in self.cpus}
             for _, cpus in self._pinned.values():
                 for c in cpus:
                     use[c] = use.get(c, 0) + 1
-            return tuple(sorted(sorted(self.cpus, key=lambda c: (use[c], c))[:max(1, min(cores, len(self.cpus)))]))
+            least = sorted(self.cpus, key=lambda c: (use[c], c))
+            return tuple(sorted(least[:max(1, min(cores, len(self.cpus)))]))
 
         def _worker(self, cls, wid: int, cores: int, stages: Sequence[Stage] = ()):
             cpus = self._pick(cores)

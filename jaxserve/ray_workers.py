@@ -414,6 +414,12 @@ class RayWorker(Worker):
         with self._state:
             return not (self._closed or self._dead)
 
+    @property
+    def closed(self) -> bool:
+        """Closed for good (a dead worker the engine restarts is not)."""
+        with self._state:
+            return self._closed
+
     # ------------------------------------------------------------------ beyond Worker
     def pid(self) -> int:
         """The actor's OS pid (waits until it is ready)."""
