@@ -70,7 +70,8 @@ def tweets_that_fit(seq: int) -> list[str]:
 
 
 class Sampler:
-    """Samples the policy's held cores and parameter bytes from /metrics every ``every`` seconds."""
+    """Samples the policy's held cores and parameter bytes, and its measured prices (scale and
+    per-step overhead), from /metrics every ``every`` seconds."""
 
     def __init__(self, url: str, every: float = 0.5):
         self.url, self.every, self.rows = url, every, []
@@ -82,12 +83,16 @@ class Sampler:
 
         while not self._stop.wait(self.every):
             try:
-                m = scrape(self.url, "jaxserve_policy_asyfunc_cores", "jaxserve_policy_asyfunc_param_bytes")
+                m = scrape(self.url, "jaxserve_policy_asyfunc_cores", "jaxserve_policy_asyfunc_param_bytes",
+                           "jaxserve_policy_asyfunc_measured_")
             except Exception:  # noqa: BLE001 - a missed sample is a missed sample
                 continue
             cores = sum(v for k, v in m.items() if k.startswith("jaxserve_policy_asyfunc_cores"))
             nbytes = sum(v for k, v in m.items() if k.startswith("jaxserve_policy_asyfunc_param_bytes"))
-            self.rows.append((time.perf_counter(), cores, nbytes))
+            self.rows.append((time.perf_counter(), cores, nbytes,
+                              m.get("jaxserve_policy_asyfunc_measured_scale", 1.0),
+                              m.get("jaxserve_policy_asyfunc_measured_step_overhead_seconds", 0.0),
+                              m.get("jaxserve_policy_asyfunc_measured_steps", 0.0)))
 
     def __enter__(self):
         self._thread.start()
@@ -98,8 +103,16 @@ class Sampler:
         self._thread.join(5)
 
     def means(self) -> tuple[float, float]:
-        rows = np.array(self.rows) if self.rows else np.zeros((1, 3))
+        rows = np.array(self.rows) if self.rows else np.zeros((1, 6))
         return float(rows[:, 1].mean()), float(rows[:, 2].mean())
+
+    def prices(self) -> tuple[float, float]:
+        """(scale, per-step overhead s): the policy's measurements, time-averaged over the samples
+        taken once it had measured a step; (1, 0) if it never did."""
+        rows = np.array([r for r in self.rows if r[5] > 0])
+        if not len(rows):
+            return 1.0, 0.0
+        return float(np.exp(np.log(rows[:, 3]).mean())), float(rows[:, 4].mean())
 
 
 def shadow_loads(metrics: dict[str, float], blocks: set[str]) -> list[float]:
@@ -114,13 +127,16 @@ def shadow_loads(metrics: dict[str, float], blocks: set[str]) -> list[float]:
     return out
 
 
-def simulated(policy: str, body_cores: int, schedule: np.ndarray) -> dict:
+def simulated(policy: str, body_cores: int, schedule: np.ndarray, prices: tuple[float, float] | None = None) -> dict:
     """The schedule through the simulator with the live server's policy (every request at the
-    bucket's length, as the engine pads it)."""
+    bucket's length, as the engine pads it). ``prices`` (scale, per-step overhead s): plan and
+    run with these instead of the profile's (``AsyFuncPolicy.plan_with_prices``)."""
     from jaxserve import traces
     from jaxserve.launch import simulate_asyfunc
 
     pol = planned(policy, body_cores)
+    if prices is not None:
+        pol.plan_with_prices(*prices)
     trace = traces.make_trace(schedule, model=MODEL, length=np.full(len(schedule), pol.model.seq),
                               slo_s=pol.knobs.slo_s)
     result, pol = simulate_asyfunc(policy, None, None, trace, policy=pol)
@@ -178,8 +194,10 @@ def run(args) -> None:
     rng = np.random.default_rng(11)
     runs: dict[str, list[dict]] = {p: [] for p, _, _ in POLICIES}
     curves: dict[str, list] = {p: [] for p, _, _ in POLICIES}
+    schedules = []
     for rnd in range(args.rounds):
         schedule = traces.mmpp_arrivals((BASE * rate, BURST * rate), MEANS, duration=args.seconds, seed=100 + rnd)
+        schedules.append(schedule)
         sent = [texts[i] for i in rng.integers(0, len(texts), len(schedule))]
         order = POLICIES[rnd % len(POLICIES):] + POLICIES[:rnd % len(POLICIES)]
         for policy, label, cores in order:
@@ -205,7 +223,8 @@ def run(args) -> None:
                    "mb": bytes_mean / 1e6, "splits": m.get("jaxserve_policy_asyfunc_split_batches", 0.0),
                    "shadow_loads": shadow_loads(m, blocks), "late": res.late, "evicted": res.evicted,
                    "refused": res.rejected, "errors": res.errors,
-                   "compiles": m.get("jaxserve_compilations_since_ready", 0.0), "sim": sim}
+                   "compiles": m.get("jaxserve_compilations_since_ready", 0.0), "sim": sim,
+                   "prices": sampler.prices(), "reprices": m.get("jaxserve_policy_asyfunc_reprices", 0.0)}
             runs[policy].append(row)
             curves[policy].append((server / 1e3, sim))
             print(f"round {rnd + 1} {label}: sent {res.sent} ({res.sent / args.seconds:.0f}/s), violation "
@@ -214,10 +233,19 @@ def run(args) -> None:
                   f"{sim['mean_ms']:.1f}), p98 {row['p98_ms']:.0f} ms (sim {sim['p98_ms']:.0f}), cores "
                   f"{cores_mean:.2f} (sim {sim['cores']:.2f}), MB {row['mb']:.0f} (sim {sim['mb']:.0f}), splits "
                   f"{row['splits']:.0f} (sim {sim['splits']}), shadow loads {row['shadow_loads']}, late {res.late}, "
-                  f"evicted {res.evicted}, 429 {res.rejected}, errors {res.errors}", flush=True)
+                  f"evicted {res.evicted}, 429 {res.rejected}, errors {res.errors}, measured prices x"
+                  f"{row['prices'][0]:.2f} + {row['prices'][1] * 1e3:.1f} ms/step ({row['reprices']:.0f} reprices)",
+                  flush=True)
+    # the simulator again, with measured prices held out: each round with the previous round's
+    # (the first with the last's) of the same policy
+    for policy, _, cores in POLICIES:
+        for r in runs[policy]:
+            held_out = runs[policy][(r["round"] - 2) % len(runs[policy])]["prices"]
+            r["cal"] = simulated(policy, cores, schedules[r["round"] - 1], held_out)
 
-    def med(policy: str, key: str, sim: bool = False) -> float:
-        return float(np.median([(r["sim"] if sim else r)[key] for r in runs[policy]]))
+    def med(policy: str, key: str, sim: bool | str = False) -> float:
+        which = "sim" if sim is True else sim
+        return float(np.median([(r[which] if which else r)[key] for r in runs[policy]]))
 
     summary = []
     for policy, label, cores in POLICIES:
@@ -225,12 +253,16 @@ def run(args) -> None:
         summary.append([label, f"{cores}", f"{med(policy, 'violation'):.4f}", f"{med(policy, 'violation', True):.4f}",
                         f"{med(policy, 'client_violation'):.4f}",
                         f"{med(policy, 'mean_ms'):.1f}", f"{med(policy, 'mean_ms', True):.1f}",
+                        f"{med(policy, 'mean_ms', 'cal'):.1f}",
                         f"{med(policy, 'p98_ms'):.0f}", f"{med(policy, 'p98_ms', True):.0f}",
+                        f"{med(policy, 'p98_ms', 'cal'):.0f}",
                         f"{med(policy, 'client_mean_ms'):.1f} / {med(policy, 'client_p98_ms'):.0f}",
                         f"{med(policy, 'cores'):.2f}", f"{med(policy, 'cores', True):.2f}",
                         f"{med(policy, 'mb'):.0f}", f"{med(policy, 'mb', True):.0f}",
                         f"{med(policy, 'splits'):.0f}", f"{med(policy, 'splits', True):.0f}",
                         f"{np.median(loads) * 1e3:.0f} ({len(loads)})" if loads else "—",
+                        f"×{np.median([r['prices'][0] for r in runs[policy]]):.2f} + "
+                        f"{np.median([r['prices'][1] for r in runs[policy]]) * 1e3:.1f}",
                         f"{max(r['compiles'] for r in runs[policy]):.0f}"])
     per_round = []
     for policy, label, _ in POLICIES:
@@ -240,15 +272,21 @@ def run(args) -> None:
                               f"{r['violation'] - b['violation']:+.4f}", f"{r['cores'] / b['cores']:.2f}",
                               f"{r['mb'] / b['mb']:.2f}", f"{r['mean_ms'] / r['sim']['mean_ms']:.2f}",
                               f"{r['p98_ms'] / r['sim']['p98_ms']:.2f}",
+                              f"{r['mean_ms'] / r['cal']['mean_ms']:.2f}",
+                              f"{r['p98_ms'] / r['cal']['p98_ms']:.2f}", f"{r['cal']['violation']:.4f}",
                               f"{r['late']}/{r['evicted']}/{r['refused']}/{r['errors']}"])
     path = _plot(curves, slo_ms)
     body = (table(["policy", "body cores at start", "violation live", "violation sim", "violation client",
-                   "mean ms live", "mean ms sim", "p98 ms live", "p98 ms sim", "client mean / p98 ms", "mean cores live", "mean cores sim", "mean MB live", "mean MB sim",
-                   "split batches live", "split batches sim", "shadow block load ms (n)", "compiles after ready"],
+                   "mean ms live", "mean ms sim", "mean ms sim, measured prices", "p98 ms live", "p98 ms sim",
+                   "p98 ms sim, measured prices", "client mean / p98 ms", "mean cores live",
+                   "mean cores sim", "mean MB live", "mean MB sim", "split batches live", "split batches sim",
+                   "shadow block load ms (n)", "measured prices: scale + ms per step", "compiles after ready"],
                   summary)
             + "\n\nMedians over rounds. Per round (the same requests for the three policies within a round):\n\n"
             + table(["round", "policy", "requests", "violation", "minus BATCH's", "cores / BATCH's", "MB / BATCH's",
-                     "mean live / sim", "p98 live / sim", "late/evicted/429/errors"], per_round)
+                     "mean live / sim", "p98 live / sim", "mean live / sim at measured prices",
+                     "p98 live / sim at measured prices", "violation sim at measured prices",
+                     "late/evicted/429/errors"], per_round)
             + f"\n\nCDF (live solid, simulated dashed): `bench/plots/{path.name}`")
     notes = reading(runs) + "\n\n" + (
         f"`jaxserve serve --model minilm-l6 --workers ray --policy P --layer-profile {LAYERS.relative_to(LAYERS.parents[2])} "
@@ -287,18 +325,32 @@ def reading(runs: dict[str, list[dict]]) -> str:
              "AsyFunc's layer-level scaling did not act live (no split batch)")
     within = [label for policy, label, _ in POLICIES
               if all(abs(r[k] / r["sim"][k] - 1) <= 0.10 for r in runs[policy] for k in ("mean_ms", "p98_ms"))]
+    cal = []
+    for policy, label, _ in POLICIES:
+        rm = [r["mean_ms"] / r["cal"]["mean_ms"] for r in runs[policy]]
+        rp = [r["p98_ms"] / r["cal"]["p98_ms"] for r in runs[policy]]
+        ok = all(abs(x - 1) <= 0.10 for x in rm + rp)
+        scale = np.median([r["prices"][0] for r in runs[policy]])
+        over = np.median([r["prices"][1] for r in runs[policy]]) * 1e3
+        cal.append(f"{label} measured ×{scale:.2f} the profile's compute and {over:.1f} ms per step, "
+                   f"{np.median([r['reprices'] for r in runs[policy]]):.0f} reprices; live / sim "
+                   f"{np.median(rm):.2f}x / {np.median(rp):.2f}x ({'within' if ok else 'not within'} 10% in every round)")
+    cal_viol = {label: float(np.median([r["cal"]["violation"] for r in runs[policy]])) for policy, label, _ in POLICIES}
     blocks = sorted({f"{x * 1e3:.0f} ms" for r in runs[a] for x in r["shadow_loads"]})
     return (f"**Reading.** {acted} ({', '.join(blocks) or 'none'}). Its SLO violation rate was "
             f"{med(a, 'violation'):.4f} against BATCH's {med(b, 'violation'):.4f} (medians; worse than BATCH's in "
             f"{worse} of {n} rounds), holding {med(a, 'cores'):.2f} cores and {med(a, 'mb'):.0f} MB on average against "
             f"BATCH's {med(b, 'cores'):.2f} and {med(b, 'mb'):.0f}; AsyFunc⁻ {med('asyfunc-nolls', 'violation'):.4f} at "
             f"{med('asyfunc-nolls', 'cores'):.2f} cores. Live against simulated, mean / p98 (median of rounds): "
-            f"{'; '.join(agree)}. Within 10% in every round: {', '.join(within) or 'none'}. What the simulator leaves "
-            f"out: the front end (HTTP, tokenizing and the engine, in the server's own process, unpinned) and the "
-            f"client share the same 2 cores as the pinned workers; AsyFunc⁻'s one 1-core body leaves a core to them, "
-            f"while BATCH's 2-core body and AsyFunc's body and shadow compute on both. And every step is a Ray call "
-            f"whose activations come back to the server's process: a split batch takes 2 or 3 steps (the block on "
-            f"body and shadow, then the rest on the body), and the simulator prices only the shadow's rows' moves.")
+            f"{'; '.join(agree)}. Within 10% in every round: {', '.join(within) or 'none'}. The live policies plan "
+            f"with what they measure (`AsyFuncPolicy.observe_step`): every step's compute against the profile and "
+            f"each step's wall time beside it. The simulator with those prices, taken from the previous round of "
+            f"the same policy (held out): {'; '.join(cal)}; its violation rates "
+            f"{', '.join(f'{k} {v:.4f}' for k, v in cal_viol.items())}. What the profile does not hold: the front "
+            f"end (HTTP, tokenizing and the engine, in the server's own process, unpinned) and the client share the "
+            f"2 cores with the pinned workers; AsyFunc⁻'s one 1-core body leaves a core to them, while BATCH's 2-core "
+            f"body and AsyFunc's body and shadow compute on both, and a split batch is 2 or 3 steps, each a Ray "
+            f"call.")
 
 
 def _plot(curves: dict, slo_ms: float) -> Path:

@@ -180,7 +180,9 @@ class Engine:
         ``cost_model``: the prices the policy was built with; given, the engine measures
         each whole-model step against them (``self.drift``, a
         :class:`~jaxserve.cost_drift.CostDrift`, also read by ``/metrics``) and, with
-        ``correct_prices``, hands the policy the corrected prices (``Policy.reprice``)."""
+        ``correct_prices``, hands the policy the corrected prices (``Policy.reprice``).
+        ``correct_prices`` also hands every step's measured times to ``Policy.observe_step``
+        (policies that price their own steps, such as AsyFunc, learn from it)."""
         if workers is None and instances < 1:
             raise ValueError("instances must be >= 1")
         if default_slo_ms is not None and not (default_slo_ms > 0 and math.isfinite(default_slo_ms)):
@@ -574,6 +576,11 @@ class Engine:
                 obs(batch, out, pendings, now - started)
             if self.drift is not None:
                 self._measure_price(batch, out.compute_seconds, now)
+            if self.correct_prices:
+                try:
+                    self.policy.observe_step(batch, out.compute_seconds, now - started, now)
+                except Exception:  # a policy bug must not strand the batch's answers
+                    log.exception("policy.observe_step failed")
             summaries = summarize(out.items, len(pendings))
             for i, p in enumerate(pendings):
                 p.compute_s += out.compute_seconds

@@ -59,6 +59,13 @@ Decisions the paper leaves open, or where we differ (each is a knob or a line be
 * **Container pool.** A shadow starts from the node's warm empty worker, so it is ready after
   the block's load (``SplitOption.load_s``); a new body pays ``body_load_s`` (container start
   and the whole model). The pool's own reserved resources are not counted.
+* **Prices.** The paper plans with its offline profile. Live, we plan with measured prices:
+  every step's compute against the profile (one factor for all stages and core counts, since
+  on shared cores contention stretches them alike) and each step's overhead besides its
+  compute (the call to the worker and the hand-off back), priced once per step, so a split's
+  two or three steps pay it two or three times (:meth:`AsyFuncPolicy.observe_step`). The
+  simulator has no such measurement and plans with the profile, unless given prices
+  (:meth:`AsyFuncPolicy.plan_with_prices`).
 * **Accounting.** An instance holds its cores and parameter bytes from the moment it is
   planned (loading included) until it is removed (:class:`ResourceLedger`).
 
@@ -78,14 +85,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from jaxserve.sched.base import (Batch, Cell, CostModel, LatencyProfile, PlacementChange, Plan, Policy, Request,
                                  ShapeGrid, Stage, StepSummary, WorkerView)
 
 __all__ = ["ASYFUNC_VARIANTS", "AsyFuncKnobs", "AsyFuncModel", "AsyFuncPolicy", "BodySpec", "ResourceLedger",
-           "SHARED_MEMORY_BYTES_PER_S", "SplitOption", "initial_bodies", "model_from_layers"]
+           "PriceTracker", "SHARED_MEMORY_BYTES_PER_S", "SplitOption", "initial_bodies", "model_from_layers"]
 
 ASYFUNC_VARIANTS = ("asyfunc", "asyfunc-nolls", "asyfunc-batch")
 _INF = math.inf
@@ -127,7 +134,8 @@ class AsyFuncModel:
     ``latency[c]``: the cost model profiled at ``c`` cores, with a profile for the whole model
     (named ``name``) and one per stage label of every split (``m[0:i]``, ``m[i:j]``,
     ``m[j:L]``), at cells ``(b, seq)``. ``row_bytes``: activation bytes per row at a block's
-    boundary (hidden states and mask)."""
+    boundary (hidden states and mask). ``scale`` and ``step_overhead_s``: what live steps cost
+    against the profile (:class:`PriceTracker`; 1 and 0 until measured)."""
 
     name: str
     num_layers: int
@@ -140,7 +148,14 @@ class AsyFuncModel:
     row_bytes: float = 0.0
     transfer_hop_s: float = 0.0
     transfer_bytes_per_s: float = _INF
+    scale: float = 1.0
+    step_overhead_s: float = 0.0
     _memo: dict = field(default_factory=dict, compare=False, repr=False)  # (stage, cores, rows) -> seconds
+
+    def with_prices(self, scale: float, step_overhead_s: float) -> "AsyFuncModel":
+        """This model with every compute price times ``scale`` (measured over profiled) and
+        ``step_overhead_s`` added per step (:class:`PriceTracker`)."""
+        return replace(self, scale=float(scale), step_overhead_s=float(step_overhead_s), _memo={})
 
     @property
     def whole(self) -> Stage:
@@ -163,17 +178,27 @@ class AsyFuncModel:
         return self.grid.cell_for(rows, self.seq)
 
     def seconds(self, stage: Stage | None, cores: int, rows: int) -> float:
-        """Compute seconds of ``rows`` rows of ``stage`` (None: the whole model) at ``cores``."""
+        """Compute seconds of ``rows`` rows of ``stage`` (None: the whole model) at ``cores``:
+        the profile's, times :attr:`scale`."""
         if rows <= 0:
             return 0.0
         key = (stage, cores, rows)
         t = self._memo.get(key)
         if t is None:
-            profiles = self.latency[cores].latency
-            name = self.name if stage is None or stage.whole else stage.label()
-            cell = self.cell(rows)
-            t = self._memo[key] = float(profiles[name].latency_for(cell.batch, cell.seq, cell.gamma))
+            t = self._memo[key] = self.scale * self.profiled(stage, cores, rows)
         return t
+
+    def profiled(self, stage: Stage | None, cores: int, rows: int) -> float:
+        """The profile's compute seconds of ``rows`` rows of ``stage`` at ``cores`` (no scale)."""
+        profiles = self.latency[cores].latency
+        name = self.name if stage is None or stage.whole else stage.label()
+        cell = self.cell(rows)
+        return float(profiles[name].latency_for(cell.batch, cell.seq, cell.gamma))
+
+    def step_seconds(self, stage: Stage | None, cores: int, rows: int) -> float:
+        """One engine step of ``rows`` rows of ``stage``: its compute and the per-step overhead
+        (the call to the worker, the hand-off back to the engine's loop)."""
+        return self.seconds(stage, cores, rows) + self.step_overhead_s if rows > 0 else 0.0
 
     def default_slo_s(self, c_max: int, b_max: int) -> float:
         """The SLO when none is given: 3x the whole model's latency at ``(c_max, b_max)`` (the
@@ -193,7 +218,8 @@ class AsyFuncModel:
         par = max(self.seconds(blk, body_cores, b_body), into + self.seconds(blk, shadow_cores, b_shadow))
         t_pre = self.seconds(pre, body_cores, b) if pre is not None else 0.0  # None here: no such step,
         t_post = self.seconds(post, body_cores, b) if post is not None else 0.0  # not the whole model
-        return t_pre + par + back + t_post
+        steps = 1 + (pre is not None) + (post is not None)
+        return t_pre + par + back + t_post + steps * self.step_overhead_s
 
     def best_split(self, split: SplitOption, body_cores: int, shadow_cores: int, b: int) -> tuple[int, float]:
         """(b_B, latency): Alg. 2 line 10, ``b_B`` balancing the two parallel parts (ties: the
@@ -209,6 +235,41 @@ class AsyFuncModel:
         if best is None:
             raise ValueError("a split needs b >= 2")
         return best[1], best[2]
+
+
+class PriceTracker:
+    """What live steps cost against the profile: ``scale``, an exponentially weighted mean of
+    log(measured compute / profiled compute) over every step (weight ``weight`` per step, so
+    a burst's contention shows within tens of steps and passes as fast), and ``overhead_s``,
+    the same mean of wall minus compute over whole-model steps (a split's steps also move
+    activations, which :meth:`AsyFuncModel.transfer_s` prices). Starts at the profile's (1, 0).
+
+    Why one factor for every stage and core count: on a shared node what moves live prices is
+    contention (the front end, the client, the other workers on the same cores), which
+    stretches every step alike, and one factor learns from every step. :meth:`due` when the
+    scale moved by more than ``step`` (relative) or the overhead by more than ``overhead_step_s``
+    since the prices in use."""
+
+    def __init__(self, weight: float = 0.05, step: float = 0.05, overhead_step_s: float = 0.5e-3):
+        self.weight, self.step, self.overhead_step_s = weight, step, overhead_step_s
+        self._log_scale = 0.0
+        self.overhead_s = 0.0
+        self.steps = 0
+
+    @property
+    def scale(self) -> float:
+        return math.exp(self._log_scale)
+
+    def observe(self, compute_s: float, profiled_s: float, overhead_s: float | None) -> None:
+        if compute_s > 0 and profiled_s > 0:
+            self._log_scale += self.weight * (math.log(compute_s / profiled_s) - self._log_scale)
+        if overhead_s is not None:
+            self.overhead_s += self.weight * (max(0.0, overhead_s) - self.overhead_s)
+        self.steps += 1
+
+    def due(self, scale: float, overhead_s: float) -> bool:
+        return (abs(self.scale / scale - 1.0) > self.step
+                or abs(self.overhead_s - overhead_s) > self.overhead_step_s)
 
 
 @dataclass(frozen=True)
@@ -365,11 +426,39 @@ class AsyFuncPolicy(Policy):
         self.splits_done = 0
         self.failed_placements = 0
         self._no_shadow_until = -_INF  # after a shadow's failed placement (on_placement)
-        self._max_rps = {c: self._max_rps_of(c) for c in range(1, knobs.c_max + 1)}
         self._added = set(self._inst)  # workers that exist (the initial bodies) or whose add was planned
-        self._batch_wait = max(0.0, knobs.slo_s - model.seconds(None, knobs.c_max, knobs.b_max))
-        self._t1 = min(model.seconds(None, c, 1) for c in range(1, knobs.c_max + 1))  # fastest lone request
+        self.prices = PriceTracker()
+        self.reprices = 0
+        self._set_model(model)
+
+    def _set_model(self, model: AsyFuncModel) -> None:
+        """Plan with ``model``'s prices from now on (and what is derived from them)."""
+        knobs = self.knobs
+        self.model = model
         self._split_memo: dict[tuple, tuple[int, float]] = {}
+        self._max_rps = {c: self._max_rps_of(c) for c in range(1, knobs.c_max + 1)}
+        self._batch_wait = max(0.0, knobs.slo_s - model.step_seconds(None, knobs.c_max, knobs.b_max))
+        self._t1 = min(model.step_seconds(None, c, 1) for c in range(1, knobs.c_max + 1))  # fastest lone request
+
+    def observe_step(self, batch: Batch, compute_s: float, wall_s: float, now: float) -> None:
+        """A live step took ``compute_s`` on its worker and ``wall_s`` from dispatch to its
+        result on the engine's loop: fold it into :attr:`prices` and plan with the corrected
+        prices once they moved by more than :attr:`PriceTracker.step` (:meth:`AsyFuncModel.with_prices`)."""
+        x = self._inst.get(batch.instance)
+        if x is None or batch.cell.batch <= 0:
+            return
+        profiled = self.model.profiled(batch.stage, x.cores, batch.cell.batch)
+        whole = batch.stage is None or batch.stage.whole
+        self.prices.observe(compute_s, profiled, wall_s - compute_s if whole else None)
+        if self.prices.due(self.model.scale, self.model.step_overhead_s):
+            self.plan_with_prices(self.prices.scale, self.prices.overhead_s)
+
+    def plan_with_prices(self, scale: float, step_overhead_s: float) -> None:
+        """Plan from now on with the profile's compute times ``scale`` and ``step_overhead_s``
+        per step (what :meth:`observe_step` does live; a simulation may start with measured
+        prices this way)."""
+        self._set_model(self.model.with_prices(scale, step_overhead_s))
+        self.reprices += 1
 
     def _best_split(self, split: SplitOption, body_cores: int, shadow_cores: int, b: int) -> tuple[int, float]:
         key = (split, body_cores, shadow_cores, b)
@@ -417,7 +506,7 @@ class AsyFuncPolicy(Policy):
         """Eq. 1's term: max b / t_l over b <= b_max with t_l <= SLO (0 if none)."""
         best = 0.0
         for b in range(1, self.knobs.b_max + 1):
-            t = self.model.seconds(None, cores, b)
+            t = self.model.step_seconds(None, cores, b)
             if t <= self.knobs.slo_s:
                 best = max(best, b / t)
         return best
@@ -429,7 +518,7 @@ class AsyFuncPolicy(Policy):
         """Alg. 1 lines 4-10: the efficiency of the largest batch whose longest service time
         ``(b - 1) / R + t_l`` meets the SLO (``rate`` None: t_l alone)."""
         for b in range(self.knobs.b_max, 0, -1):
-            t = self.model.seconds(None, cores, b)
+            t = self.model.step_seconds(None, cores, b)
             wait = (b - 1) / rate if rate else 0.0
             if wait + t <= self.knobs.slo_s:
                 return _eta(b, t, cores, self.rho_m)
@@ -599,8 +688,9 @@ class AsyFuncPolicy(Policy):
             x.last_used = now
 
     def metrics(self):
-        """Cores, parameter bytes and instances held now, by kind (the ledger's), and the
-        split batches and failed placements so far."""
+        """Cores, parameter bytes and instances held now, by kind (the ledger's), the split
+        batches and failed placements so far, and the prices: the scale and per-step overhead
+        planned with, and the tracker's current measurement of each (:class:`PriceTracker`)."""
         for kind in ("body", "shadow"):
             cores, nbytes = self.ledger.held(kind)
             yield "asyfunc_cores", {"kind": kind}, float(cores)
@@ -608,11 +698,17 @@ class AsyFuncPolicy(Policy):
             yield "asyfunc_instances", {"kind": kind}, float(sum(x.kind == kind for x in self._inst.values()))
         yield "asyfunc_split_batches", {}, float(self.splits_done)
         yield "asyfunc_failed_placements", {}, float(self.failed_placements)
+        yield "asyfunc_price_scale", {}, float(self.model.scale)
+        yield "asyfunc_step_overhead_seconds", {}, float(self.model.step_overhead_s)
+        yield "asyfunc_reprices", {}, float(self.reprices)
+        yield "asyfunc_measured_scale", {}, float(self.prices.scale)
+        yield "asyfunc_measured_step_overhead_seconds", {}, float(self.prices.overhead_s)
+        yield "asyfunc_measured_steps", {}, float(self.prices.steps)
 
     def service_time(self, batch: Batch) -> float:
         x = self._inst.get(batch.instance)
         cores = x.cores if x is not None else self.knobs.c_max
-        return self.model.seconds(batch.stage, cores, batch.cell.batch)
+        return self.model.step_seconds(batch.stage, cores, batch.cell.batch)
 
     def on_completion(self, batch: Batch, now: float, summaries: Mapping[int, StepSummary] | None = None) -> None:
         group = self._groups.get(batch.request_ids[0])
@@ -683,7 +779,7 @@ class AsyFuncPolicy(Policy):
     def _latency(self, x: _Instance, b: int, idle: set[int]) -> tuple[float, int]:
         """(modelled latency, b_B) of ``b`` rows on body ``x``: split with its idle shadow when
         that is faster (b_B == b: not split)."""
-        t = self.model.seconds(None, x.cores, b)
+        t = self.model.step_seconds(None, x.cores, b)
         s = self._pair_of(x, idle)
         if s is None or b < 2:
             return t, b
@@ -736,7 +832,7 @@ class AsyFuncPolicy(Policy):
                 return due
             x = units.pop(0)
             b = min(len(self._queue), self.knobs.b_max)
-            batches += self._start(x, b, b, self.model.seconds(None, x.cores, b), now, idle)
+            batches += self._start(x, b, b, self.model.step_seconds(None, x.cores, b), now, idle)
         return _INF
 
     def _start(self, x: _Instance, b: int, b_body: int, t: float, now: float, idle: set[int]) -> list[Batch]:

@@ -232,6 +232,13 @@ class Policy:
         plans, never by the simulator. Default: nothing (the policy keeps its start-up prices;
         the engine still measures and reports the drift)."""
 
+    def observe_step(self, batch: Batch, compute_s: float, wall_s: float, now: float) -> None:
+        """A live step of ``batch`` is done: ``compute_s`` on its worker's clock, ``wall_s`` from
+        its dispatch to its result on the engine's loop. For policies that price steps
+        themselves (``service_time``), which the engine's cell-by-cell drift does not cover.
+        Called on the loop thread unless the engine's price correction is off; never by the
+        simulator. Default: nothing."""
+
     def on_workers(self, workers: Sequence[WorkerView], now: float) -> None:
         """The workers and what each holds: called once before the first plan and after
         every placement change. Default: nothing (one-stage policies see only ids)."""

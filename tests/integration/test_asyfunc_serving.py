@@ -55,11 +55,13 @@ def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("asyfunc-cache"))
 
 
-def settings_for(policy: str, profile_path: str, cache_dir: str) -> ServeSettings:
-    """One body on a node of 2 cores: of 1 core (BATCH: of its fixed configuration, 2)."""
+def settings_for(policy: str, profile_path: str, cache_dir: str, correct_prices: bool = False) -> ServeSettings:
+    """One body on a node of 2 cores: of 1 core (BATCH: of its fixed configuration, 2).
+    ``correct_prices`` off by default: the hand-made profile makes a split pay, which the
+    measured prices of this model at 16 tokens (and a step's overhead) need not."""
     return ServeSettings(models=(MODEL,), cache_dir=cache_dir, policy=policy, instances=1, progress=False,
                          tune=False, layer_profile=profile_path, asyfunc_node_cores=2, slo_ms=60_000, max_queue=64,
-                         asyfunc_body_cores=None if policy == "asyfunc-batch" else 1)
+                         asyfunc_body_cores=None if policy == "asyfunc-batch" else 1, correct_prices=correct_prices)
 
 
 def embeddings(client: httpx.Client, texts: list[str]) -> np.ndarray:
@@ -110,7 +112,9 @@ def test_a_burst_adds_a_shadow_splits_batches_answers_as_the_whole_model_and_rel
 
 @pytest.mark.parametrize("policy", ["asyfunc-batch", "asyfunc-nolls"])
 def test_without_layer_level_scaling_a_burst_never_adds_a_shadow(policy, profile_path, cache_dir):
-    with LiveServer(settings_for(policy, profile_path, cache_dir)) as srv, \
+    """... and, with price correction on, the policy measures its steps against the profile
+    and plans with what it measured once that differs (the hand-made profile is far off)."""
+    with LiveServer(settings_for(policy, profile_path, cache_dir, correct_prices=True)) as srv, \
             httpx.Client(base_url=srv.url, timeout=120) as c:
         burst = embeddings(c, SENTENCES)
         assert burst.shape == (len(SENTENCES), 384)
@@ -119,6 +123,12 @@ def test_without_layer_level_scaling_a_burst_never_adds_a_shadow(policy, profile
         assert gauge(srv.url, "asyfunc_split_batches") == 0.0
         assert sorted(engine.workers) == [0]
         assert gauge(srv.url, "asyfunc_cores", kind="body") == (2 if policy == "asyfunc-batch" else 1)
+        steps = gauge(srv.url, "asyfunc_measured_steps")
+        assert steps >= len(SENTENCES) / 4 and steps == engine.stats.steps
+        measured, planned = gauge(srv.url, "asyfunc_measured_scale"), gauge(srv.url, "asyfunc_price_scale")
+        assert measured != 1.0
+        assert (planned == 1.0) == (gauge(srv.url, "asyfunc_reprices") == 0.0)
+        assert abs(measured / planned - 1) <= 0.05  # within the tracker's step of what it plans with
 
 
 def test_without_slo_ms_every_request_gets_the_policy_s_slo_as_its_deadline(profile_path, cache_dir):

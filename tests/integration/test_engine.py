@@ -232,8 +232,16 @@ def test_measured_prices_reach_the_policy_and_a_far_off_profile_is_warned_about(
     one_us = CostModel({"tiny": LatencyProfile("tiny", {c: 1e-6 for c in GRID.cells()})})
     weights = weights_of(init_bert(CFG))
 
+    class Observed(DeadlineBatching):  # records what the engine hands Policy.observe_step
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.observed = []
+
+        def observe_step(self, batch, compute_s, wall_s, now):
+            self.observed.append((batch.cell, compute_s, wall_s))
+
     async def scenario(correct: bool):
-        policy = DeadlineBatching({"tiny": GRID}, one_us, max_queue=64)
+        policy = Observed({"tiny": GRID}, one_us, max_queue=64)
         engine = Engine({"tiny": TextRuntime("tiny", table, weights)}, policy, cost_model=one_us,
                         correct_prices=correct)
         for _ in range(12):  # one at a time: 12 steps of the (1, 16) cell
@@ -249,6 +257,9 @@ def test_measured_prices_reach_the_policy_and_a_far_off_profile_is_warned_about(
     assert engine.drift.reprices >= 1 and policy.cost_model is not one_us
     # pushed whenever the ratio moved by more than 5 %: the policy's price is within 5 % of the measured one
     assert policy.cost_model.latency["tiny"].latency(cell) == pytest.approx(1e-6 * ratio, rel=0.051)
+    # every step's times reach observe_step too: the worker's compute within the engine's wall
+    assert len(policy.observed) == 12
+    assert all(c == cell and 0 < compute <= wall for c, compute, wall in policy.observed)
     warnings = [r for r in caplog.records if "its profiled prices" in r.getMessage()]
     assert len(warnings) == 1 and "jaxserve profile" in warnings[0].getMessage()
     families = {f.name: f for f in _price_metrics(engine)}
@@ -258,4 +269,4 @@ def test_measured_prices_reach_the_policy_and_a_far_off_profile_is_warned_about(
 
     engine, policy = asyncio.run(scenario(False))
     assert engine.drift.ratio("tiny", cell) > 10
-    assert engine.drift.reprices == 0 and policy.cost_model is one_us
+    assert engine.drift.reprices == 0 and policy.cost_model is one_us and policy.observed == []

@@ -313,3 +313,52 @@ def test_a_shadow_whose_load_fails_is_released_and_its_body_serves_alone():
     metrics = {(name, tuple(labels.items())): v for name, labels, v in policy.metrics()}
     assert metrics[("asyfunc_failed_placements", ())] == 1.0
     assert metrics[("asyfunc_cores", (("kind", "body"),))] == 2.0
+
+
+def test_the_price_tracker_learns_the_measured_ratio_and_the_overhead_of_whole_steps_only():
+    from jaxserve.sched.asyfunc import PriceTracker
+
+    t = PriceTracker(weight=0.1)
+    assert (t.scale, t.overhead_s) == (1.0, 0.0) and not t.due(1.0, 0.0)
+    for _ in range(200):
+        t.observe(0.30, 0.10, 0.004)  # 3x the profile, 4 ms beside the compute
+        t.observe(0.06, 0.02, None)  # a split's step: its ratio counts, its wall-compute does not
+    assert t.scale == pytest.approx(3.0, rel=1e-3)
+    assert t.overhead_s == pytest.approx(0.004, rel=1e-3)
+    assert t.due(1.0, 0.004) and t.due(3.0, 0.0) and not t.due(2.95, 0.0041)
+    t.observe(0.0, 0.10, -0.5)  # a zero compute carries no ratio; a negative overhead counts as none
+    assert t.scale == pytest.approx(3.0, rel=1e-3) and t.overhead_s < 0.004
+
+
+def test_steps_and_splits_are_priced_with_the_measured_scale_and_a_per_step_overhead():
+    m = model().with_prices(2.0, 0.004)
+    assert m.seconds(None, 2, 4) == pytest.approx(0.56) and m.profiled(None, 2, 4) == pytest.approx(0.28)
+    assert m.step_seconds(None, 2, 4) == pytest.approx(0.564) and m.step_seconds(None, 2, 0) == 0.0
+    x2 = 0.001 + 2000 / 1e6  # the transfer is not scaled: it is priced from bytes and the Ray hop
+    assert m.split_seconds(SPLIT, 2, 2, 4, 2) == pytest.approx(2 * (0.05 + 0.10 + 0.05) + 2 * x2 + 3 * 0.004)
+    assert model().with_prices(1.0, 0.0).split_seconds(SPLIT, 2, 2, 4, 2) == model().split_seconds(SPLIT, 2, 2, 4, 2)
+
+
+def test_live_steps_slower_than_the_profile_make_the_policy_plan_with_the_measured_prices():
+    """The engine hands every step's times to ``observe_step``: whole-model steps at 1.5x the
+    profile with 5 ms of overhead move the prices the policy plans with, so its supported rate
+    (Eq. 1), BATCH's buffer wait and what it reports follow; a step of a worker it does not know
+    changes nothing."""
+    from jaxserve.sched.base import Batch
+
+    k = knobs(slo_s=0.5)
+    policy = AsyFuncPolicy(model(), k, (BodySpec(0, 0, 2),), variant="asyfunc-batch")
+    r_max, wait = policy.r_max(), policy._batch_wait
+    cell = Cell(4)
+    policy.observe_step(Batch((1, 2, 3, 4), "m", cell, 99, None), 10.0, 10.0, 0.0)  # no such instance
+    assert policy.reprices == 0 and policy.model.scale == 1.0
+    for i in range(200):
+        policy.observe_step(Batch((1, 2, 3, 4), "m", cell, 0, None), 1.5 * 0.28, 1.5 * 0.28 + 0.005, float(i))
+    assert policy.model.scale == pytest.approx(1.5, rel=0.06)
+    assert policy.model.step_overhead_s == pytest.approx(0.005, abs=0.0006)
+    assert 1 <= policy.reprices < 30
+    assert policy.r_max() == pytest.approx(r_max / (1.5 * 0.28 + 0.005) * 0.28, rel=0.07)
+    assert policy._batch_wait < wait
+    assert policy.service_time(Batch((1, 2, 3, 4), "m", cell, 0, None)) == pytest.approx(1.5 * 0.28 + 0.005, rel=0.06)
+    shown = {name: v for name, _, v in policy.metrics()}
+    assert shown["asyfunc_price_scale"] == policy.model.scale and shown["asyfunc_reprices"] == policy.reprices
