@@ -244,17 +244,37 @@ def load_mnist() -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
 
 def to_rgb_square(gray: np.ndarray, size: int) -> np.ndarray:
-    """[N, h, w] grayscale in [0, 1] -> float32 [N, size, size, 3] in [0, 1]: PIL bilinear resize of
-    each image, the gray channel copied to R, G and B. The one preprocessing of the DINOv2 tasks:
-    probe training and accuracy profiling use it, and a client sends what it gives (as a PNG) to the
-    server, which normalises with ImageNet's mean/std like the training did (ImageRuntime)."""
-    from PIL import Image
-
+    """[N, h, w] grayscale in [0, 1] -> float32 [N, size, size, 3] in [0, 1]: :func:`resize_image`
+    of each image, the gray channel copied to R, G and B. The one preprocessing of the DINOv2 tasks:
+    probe training and accuracy profiling use it, and the server applies the same function to an
+    image of another size (``ImageRuntime.resizes``), then normalises with ImageNet's mean/std like
+    the training did (ImageRuntime)."""
     out = np.empty((len(gray), size, size, 3), np.float32)
     for i, image in enumerate(gray):
-        resized = Image.fromarray(np.asarray(image, np.float32), mode="F").resize((size, size), Image.Resampling.BILINEAR)
-        out[i] = np.clip(np.asarray(resized, np.float32), 0.0, 1.0)[..., None]
+        out[i] = resize_image(image, (size, size), 3)
     return out
+
+
+def resize_image(image: np.ndarray, size_hw: tuple[int, int], channels: int) -> np.ndarray:
+    """One image, [h, w] or [h, w, k] (k = 1 or 3) float in [0, 1], as float32 [H, W, channels]
+    in [0, 1]: each channel resized by PIL's bilinear filter in float mode (no 8-bit rounding),
+    clipped to [0, 1]; one gray channel is copied to all ``channels``. ValueError for a colour
+    image into one channel (no luminance rule is assumed) or another channel count."""
+    from PIL import Image
+
+    x = np.asarray(image, np.float32)
+    if x.ndim == 2:
+        x = x[..., None]
+    if x.ndim != 3 or x.shape[2] not in (1, 3):
+        raise ValueError(f"an image is [h, w], [h, w, 1] or [h, w, 3], not {list(x.shape)}")
+    if x.shape[2] != channels and x.shape[2] != 1:
+        raise ValueError(f"a {x.shape[2]}-channel image cannot be made {channels}-channel")
+    h, w = size_hw
+    planes = [np.asarray(Image.fromarray(np.ascontiguousarray(x[..., k]), mode="F").resize((w, h),
+                                                                                          Image.Resampling.BILINEAR),
+                         np.float32) for k in range(x.shape[2])]
+    out = np.clip(np.stack(planes, axis=-1), 0.0, 1.0)
+    return np.repeat(out, channels, axis=-1) if out.shape[2] == 1 and channels != 1 else out
 
 
 def stratified_subset(labels: np.ndarray, per_class: int, seed: int = 0) -> np.ndarray:

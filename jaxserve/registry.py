@@ -360,4 +360,5 @@ def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | Non
     return ImageRuntime(name, table, weights_of(model, precision), heads, prompts=repo, accuracy=accuracy,
                         num_layers=cfg.num_layers, read_assets=read_assets,
                         image_shape=(cfg.image_size, cfg.image_size, cfg.num_channels),
-                        pixel_mean=np.asarray(norm["mean"], np.float32), pixel_std=np.asarray(norm["std"], np.float32))
+                        pixel_mean=np.asarray(norm["mean"], np.float32), pixel_std=np.asarray(norm["std"], np.float32),
+                        resizes=name == "dinov2-s14")  # its probes were trained on datasets.to_rgb_square's resize

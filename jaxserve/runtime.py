@@ -238,6 +238,9 @@ class TextRuntime(ModelRuntime):
         return self.prepare_inputs(cell, [[1000] * cell.seq] * cell.batch, [""] * cell.batch)
 
 
+MAX_IMAGE_SIDE = 1024  # pixels a side of an image a resizing runtime accepts (ImageRuntime.resizes)
+
+
 @dataclass(kw_only=True)
 class ImageRuntime(ModelRuntime):
     """An image classifier: an item is a float32 [H, W, C] image in [0, 1], normalised as the
@@ -247,6 +250,10 @@ class ImageRuntime(ModelRuntime):
     # images arrive in [0, 1]; the model was trained on (x - mean) / std, a scalar or one per channel [C]
     pixel_mean: float | np.ndarray = 0.0
     pixel_std: float | np.ndarray = 1.0
+    # True: the server takes an image of another size (up to MAX_IMAGE_SIDE a side, gray or as many
+    # channels as the model) and resizes it as the tasks were trained (jaxserve.datasets.resize_image);
+    # False: only image_shape is accepted (the demo ViT's tasks were upsampled from 8x8 digits)
+    resizes: bool = False
 
     def prepare_inputs(self, cell: Cell, payloads: Sequence[Any], tasks: Sequence[str], prompts: Any = None) -> tuple:
         """(pixels, [prompts,] head_w, head_b): the images padded into the cell and each

@@ -61,7 +61,7 @@ from starlette.routing import Match
 
 from jaxserve.cascade import CascadeText, truncated_text
 from jaxserve.engine import Answer, Draining, Engine, ExecutionFailed, Item, Overloaded, TooManyItems
-from jaxserve.runtime import ImageRuntime, ModelRuntime, TextRuntime
+from jaxserve.runtime import MAX_IMAGE_SIDE, ImageRuntime, ModelRuntime, TextRuntime
 from jaxserve.sched.tabi import TabiPolicy
 from serving.metrics import Metrics
 from serving.schemas import (
@@ -352,10 +352,24 @@ def _meta(a: Answer) -> dict:
             "gamma": None if gamma is None else int(gamma), "outcome_type": None if otype is None else int(otype)}
 
 
-def decode_image(raw: Any, shape: tuple[int, int, int], index: int) -> np.ndarray:
-    """A base64 PNG (8-bit) or nested arrays of floats in [0, 1], as float32 [H, W, C] in [0, 1]."""
+def decode_image(raw: Any, shape: tuple[int, int, int], index: int, resize: bool = False) -> np.ndarray:
+    """A base64 PNG (8-bit) or nested arrays of floats in [0, 1], as float32 [H, W, C] in [0, 1].
+
+    ``resize`` (the runtime's ``ImageRuntime.resizes``): an image of another size, up to
+    ``MAX_IMAGE_SIDE`` a side, gray (PNG mode L, or [h, w] / [h, w, 1]) or of the model's
+    channels, is resized to ``shape`` by the tasks' own preprocessing
+    (:func:`jaxserve.datasets.resize_image`); else only ``shape`` is accepted. Anything else is a
+    422 naming the field and what is accepted."""
+    from jaxserve.datasets import resize_image
+
     h, w, c = shape
     where = f"inputs[{index}]"
+    accepted = (f"images of up to {MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE} pixels, resized to {w}x{h}" if resize
+                else f"{w}x{h}")
+
+    def size_ok(ih: int, iw: int) -> bool:
+        return (ih, iw) == (h, w) or (resize and 1 <= ih <= MAX_IMAGE_SIDE and 1 <= iw <= MAX_IMAGE_SIDE)
+
     if isinstance(raw, str):
         try:
             data = base64.b64decode(raw, validate=True)
@@ -368,18 +382,21 @@ def decode_image(raw: Any, shape: tuple[int, int, int], index: int) -> np.ndarra
             raise ApiError(422, f"{where}: not a decodable base64 PNG image ({exc})", where) from None
         # Size and mode are checked from the header, before any pixel is decoded: a tiny PNG
         # can declare 12000x12000 (144 MB, 0.15 s of the event loop per image to decode).
-        if img.size != (w, h):
-            raise ApiError(422, f"{where}: image is {img.size[0]}x{img.size[1]}; the model takes {w}x{h}", where)
+        if not size_ok(img.size[1], img.size[0]):
+            raise ApiError(422, f"{where}: image is {img.size[0]}x{img.size[1]}; the model takes {accepted}", where)
         mode = {1: "L", 3: "RGB"}.get(c)
-        if img.mode != mode:
+        modes = (mode, "L") if resize else (mode,)
+        if img.mode not in modes:
             raise ApiError(422, f"{where}: image mode {img.mode} has the wrong channels; the model takes "
-                                f"{c} channel(s) (PNG mode {mode})", where)
+                                f"{c} channel(s) (PNG mode {' or '.join(dict.fromkeys(modes))})", where)
         try:
             img.load()
         except Exception as exc:  # whatever the decoder makes of damaged data (OSError, SyntaxError, ...)
             raise ApiError(422, f"{where}: not a decodable base64 PNG image ({type(exc).__name__}: {exc})",
                            where) from None
         arr = np.asarray(img, dtype=np.float32) / 255.0
+        if arr.shape[:2] != (h, w) or (arr.ndim == 2) != (c == 1):
+            return resize_image(arr, (h, w), c)
         return arr.reshape(h, w, c)
     try:  # no dtype yet: strings, booleans or integers beyond float range must not become pixels
         arr = np.asarray(raw)
@@ -388,15 +405,18 @@ def decode_image(raw: Any, shape: tuple[int, int, int], index: int) -> np.ndarra
         arr = arr.astype(np.float32)
     except (ValueError, TypeError, OverflowError):
         raise ApiError(422, f"{where}: nested arrays must be a regular grid of numbers", where) from None
-    if arr.ndim == 2 and c == 1:
+    if arr.ndim == 2 and (c == 1 or resize):
         arr = arr[..., None]
-    if arr.shape != (h, w, c):
-        raise ApiError(422, f"{where}: array shape {list(arr.shape)}; the model takes [{h}, {w}, {c}]", where)
+    channels_ok = arr.ndim == 3 and (arr.shape[2] == c or (resize and arr.shape[2] == 1))
+    if not (channels_ok and size_ok(*arr.shape[:2])):
+        wanted = (f"[h, w], [h, w, 1] or [h, w, {c}] with h, w <= {MAX_IMAGE_SIDE}, resized to [{h}, {w}, {c}]"
+                  if resize else f"[{h}, {w}, {c}]")
+        raise ApiError(422, f"{where}: array shape {list(arr.shape)}; the model takes {wanted}", where)
     if not np.isfinite(arr).all():
         raise ApiError(422, f"{where}: contains non-finite numbers (NaN or Inf)", where)
     if arr.min() < 0.0 or arr.max() > 1.0:
         raise ApiError(422, f"{where}: pixel values must lie in [0, 1]", where)
-    return arr
+    return arr if arr.shape == (h, w, c) else resize_image(arr, (h, w), c)
 
 
 def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_timeout_s: float = 60.0,
@@ -602,7 +622,7 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
     async def classify_image(req: ClassifyImageRequest, http: Request):
         rt = runtime(req.model, ImageRuntime)
         head(rt, req.task)
-        images = [decode_image(raw, rt.image_shape, i) for i, raw in enumerate(req.inputs)]
+        images = [decode_image(raw, rt.image_shape, i, rt.resizes) for i, raw in enumerate(req.inputs)]
         answers = await run_items(
             [Item(req.model, img, 0, req.task, req.slo_ms, req.utility) for img in images], http, "inputs")
         return classify_response(req.model, req.task, answers, "/v1/classify/image")
@@ -622,6 +642,8 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024, body_t
             "max_tokens": g.max_length if text else None,
             "embedding_dim": rt.embedding_dim if text else None,
             "image_shape": None if text else list(rt.image_shape),
+            # images of other sizes (up to this many pixels a side) are resized to image_shape; None: not
+            "image_resize_max_side": MAX_IMAGE_SIDE if not text and rt.resizes else None,
         }
 
     @app.get("/v1/models")

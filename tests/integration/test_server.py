@@ -306,6 +306,56 @@ def test_image_classification_png_and_arrays(client):
         assert r5.status_code == 422 and needle in r5.json()["error"]["message"], r5.text
 
 
+def test_a_resizing_image_model_takes_other_sizes_as_its_training_resized_them(server, client):
+    """A runtime that resizes (DINOv2's: ``ImageRuntime.resizes``; switched on here for the demo
+    ViT, which the test server holds) answers a gray 28x28 PNG, or the same pixels as arrays,
+    exactly as it answers the image its tasks' preprocessing makes of them client-side
+    (``datasets.resize_image``); past the side limit, or in another PNG mode, a 422 names what
+    it takes. Switched off again, only its own size is taken."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from jaxserve.datasets import resize_image
+    from jaxserve.runtime import MAX_IMAGE_SIDE
+
+    rt = server.app.state.jaxserve.engine.runtimes["vit-demo"]
+    h, w, c = rt.image_shape
+    gray = (np.random.default_rng(3).random((28, 28)) * 255).round().astype(np.uint8)
+
+    def png(img: Image.Image) -> str:
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        return base64.b64encode(buf.getvalue()).decode()
+
+    rt.resizes = True
+    try:
+        card = {m["id"]: m for m in client.get("/v1/models").json()["data"]}["vit-demo"]
+        assert card["image_resize_max_side"] == MAX_IMAGE_SIDE
+        mine = resize_image(gray / np.float32(255.0), (h, w), c)
+        expected = client.post("/v1/classify/image", json={"inputs": [mine.tolist()]})
+        assert expected.status_code == 200, expected.text
+        for sent in (png(Image.fromarray(gray, "L")), (gray / np.float32(255.0)).tolist()):
+            r = client.post("/v1/classify/image", json={"inputs": [sent]})
+            assert r.status_code == 200, r.text
+            answer = [(x["label"], x["probabilities"]) for x in r.json()["results"]]
+            assert answer == [(x["label"], x["probabilities"]) for x in expected.json()["results"]]
+        too_big = png(Image.new("L", (MAX_IMAGE_SIDE + 1, 8)))
+        r = client.post("/v1/classify/image", json={"inputs": [too_big]})
+        assert r.status_code == 422 and f"up to {MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE}" in r.json()["error"]["message"]
+        assert r.json()["error"]["field"] == "inputs[0]"
+        r = client.post("/v1/classify/image", json={"inputs": [png(Image.new("RGBA", (28, 28)))]})
+        assert r.status_code == 422 and "PNG mode" in r.json()["error"]["message"]
+        r = client.post("/v1/classify/image", json={"inputs": [np.zeros((28, 28, 2)).tolist()]})
+        assert r.status_code == 422 and "[h, w, 1]" in r.json()["error"]["message"]
+    finally:
+        rt.resizes = False
+    r = client.post("/v1/classify/image", json={"inputs": [png(Image.fromarray(gray, "L"))]})
+    assert r.status_code == 422 and "28x28" in r.json()["error"]["message"]
+    assert client.get("/healthz").status_code == 200
+
+
 def test_every_request_gets_exactly_one_answer_under_overload(server):
     """A burst far above capacity: each request is answered once, 200 or 429, and the
     200s plus 429s add up to what was sent; nothing hangs; no compile happens."""
