@@ -463,14 +463,22 @@ def _asyfunc_live(a):
     af, b, n = r["AsyFunc"], r["BATCH"], r["AsyFunc⁻"]
     return (f"violations {af['violation live']} vs BATCH {b['violation live']} (AsyFunc⁻ {n['violation live']}) at "
             f"{af['mean cores live']} vs {b['mean cores live']} cores, {af['mean MB live']} vs {b['mean MB live']} MB; "
-            f"live / sim mean: AsyFunc {num(af['mean ms live']) / num(af['mean ms sim']):.2f}×, AsyFunc⁻ "
-            f"{num(n['mean ms live']) / num(n['mean ms sim']):.2f}×, BATCH {num(b['mean ms live']) / num(b['mean ms sim']):.2f}×")
+            f"live / sim mean (median of rounds): " + ", ".join(
+                f"{p} {_median_round(a, p, 'mean live / sim'):.2f}×" for p in ("AsyFunc", "AsyFunc⁻", "BATCH")))
+
+
+def _median_round(a, policy: str, column: str) -> float:
+    """The median over the per-round table's rows of ``policy`` of ``column`` (what the section's
+    reading states), not a ratio of the pooled medians."""
+    import statistics
+
+    return statistics.median(num(x[column]) for x in a.table(column) if x["policy"] == policy)
 
 
 def _asyfunc_live_goal(a):
     r = {x["policy"]: x for x in a.table("violation live")}
     worse = num(r["AsyFunc"]["violation live"]) > num(r["BATCH"]["violation live"])
-    agree = all(abs(num(x[f"{k} ms live"]) / num(x[f"{k} ms sim"]) - 1) <= 0.10 for x in r.values() for k in ("mean", "p98"))
+    agree = all(abs(_median_round(a, p, f"{k} live / sim") - 1) <= 0.10 for p in r for k in ("mean", "p98"))
     return (f"violations ≤ BATCH's — {'not met' if worse else 'met'}; sim mean and p98 within 10% — "
             f"{'met' if agree else 'not met'}")
 
