@@ -112,6 +112,18 @@ def _polymorph(p):
     return f"{num(m['× limit']):.2f}× / {num(bb['× limit']):.2f}× the limit's tokens/s; {num(m['× ST']):.1f}× / {num(bb['× ST']):.1f}× ST"
 
 
+def _polymorph_goal(p):
+    b = {r["model"]: r for r in p.table("× limit") if r["alternative"].startswith("(b)")}
+    short = {"minilm-l6": "MiniLM", "bert-base": "BERT-base"}
+    lim = [short[m] for m in short if num(b[m]["× limit"]) < 0.9]
+    st = [short[m] for m in short if num(b[m]["× ST"]) < 4]
+    out = "≥ 0.9× limit — " + (f"**not met** for {', '.join(lim)}" if lim else "met")
+    if "tokens computed" in p.s.text and lim:  # the true limit computes only the real tokens
+        r = b["bert-base"] if "BERT-base" in lim else b["minilm-l6"]
+        out += f" (the buckets compute {num(r['× real tokens']):.2f}× the real tokens)"
+    return out + "; ≥ 4× ST — " + (f"not met for {', '.join(st)}" if st else "met")
+
+
 def _polymorph_gpu(p):
     b = {r["model"]: r for r in p.table("× ST") if r["alternative"].startswith("(b)")}
     return f"{num(b['bert-base']['× ST']):.1f}× / {num(b['minilm-l6']['× ST']):.1f}× the tokens/s"
@@ -123,9 +135,25 @@ def _coldstart(c):
     fixed = num(t["cold (empty cache), --no-tune"]["warmup s"])
     ser = num(t["serialized executables"]["warmup s"])
     warm = num(t["warm XLA cache"]["× cold (tuned)"])
-    return (f"{ser:.1f} s vs {fixed:.1f} s untuned ({ser / fixed:.3f}×); warmup's tuning makes the cold start "
-            f"{tuned:.0f} s ({tuned / fixed:.1f}×, once: later starts load its winners); warm XLA cache "
-            f"{warm:.2f}× of the tuned cold start")
+    out = (f"grid warmup {ser:.1f} s vs {fixed:.1f} s untuned ({ser / fixed:.3f}×); warmup's tuning makes the cold "
+           f"start {tuned:.0f} s ({tuned / fixed:.1f}×, once: later starts load its winners); warm XLA cache "
+           f"{warm:.2f}× of the tuned cold start")
+    if "server to /readyz s" in t["serialized executables"]:
+        s_ser = num(t["serialized executables"]["server to /readyz s"])
+        s_fix = num(t["cold (empty cache), --no-tune"]["server to /readyz s"])
+        out += f"; a server's time to /readyz {s_ser:.1f} s vs {s_fix:.1f} s ({s_ser / s_fix:.3f}×)"
+    return out
+
+
+def _coldstart_goal(c):
+    t = {r["state"]: r for r in c.table("warmup s")}
+    ser, fixed = t["serialized executables"], t["cold (empty cache), --no-tune"]
+    grid = num(ser["warmup s"]) / num(fixed["warmup s"]) <= 0.10
+    out = f"≤ 0.10× — grid warmup {'met' if grid else 'not met'}"
+    if "server to /readyz s" in ser:
+        ready = num(ser["server to /readyz s"]) / num(fixed["server to /readyz s"]) <= 0.10
+        out += f"; time to ready {'met' if ready else '**not met**'}"
+    return out
 
 
 def _cells(rows, col, pred):
@@ -508,15 +536,20 @@ def _otas_utility(u):
     r = {x["metric"]: x["ours"] for x in u.table("paper")}
     p = {x["metric"]: x["paper"] for x in u.table("paper")}
     a, b, c = "utility vs PetS (synthetic)", "utility vs INFaaS (synthetic)", "OTAS success rate (type 1, synthetic)"
-    return f"{r[a]} / {r[b]}; {r[c]} (paper {p[a]} / {p[b]}; {p[c]})"
+    out = f"{r[a]} / {r[b]}; {r[c]} (paper {p[a]} / {p[b]}; {p[c]})"
+    infaas = next((x for x in u.table("gamma shares") if x["policy"] == "INFaaS"), None)
+    if infaas is not None and "(0 switches)" in infaas["gamma shares"]:
+        out += (f"; **INFaaS-like never switches variant** ({infaas['gamma shares']}): our demo variants cannot make "
+                "switching worthwhile, as the smallest is also the most accurate (the paper's premise is the reverse)")
+    return out
 
 
 ROWS: list[Row] = [
     Row("polymorph buckets vs the no-padding limit and pad-to-512, CPU (MiniLM / BERT-base, real tweets)",
-        ("polymorph",), _polymorph, "≥ 0.9× limit, ≥ 4× ST"),
+        ("polymorph",), _polymorph, _polymorph_goal),
     Row("polymorph buckets vs pad-to-512, GPU (BERT-base / MiniLM)", ("polymorph_gpu",), _polymorph_gpu,
         "(the ≥ 4× goal is for the CPU)"),
-    Row("serialized executables vs cold compile (MiniLM grid)", ("coldstart",), _coldstart, "≤ 0.10×"),
+    Row("serialized executables vs cold compile (MiniLM grid)", ("coldstart",), _coldstart, _coldstart_goal),
     Row("ours vs PyTorch eager / torch.compile, CPU (`bench/results/peer.md`)", ("peer",), _peer, _peer_goal),
     Row("ours `--precision bf16` vs PyTorch under `torch.autocast` bf16: eager / torch.compile, CPU "
         "(`bench/results/peer-bf16.md`)", ("peer_bf16",), _peer_bf16, "(opt-in mode; the goal is float32)"),
