@@ -13,7 +13,12 @@ Each state runs in a fresh process (jax keeps in-memory caches), on the same gri
   no lowering, no compiling.
 
 "warmup s" is the table's warmup alone; "process s" is from interpreter start to
-ready (imports and weight loading included), as the parent measures it.
+ready (imports and weight loading included), as the parent measures it. "server s" is time to
+ready for a user: from starting ``jaxserve serve`` on a cache in the same state to its
+``/readyz`` answering 200 (imports, weights, the grid, every cell run once, the HTTP server
+up). Every server gets the same cost model file (``--cost-model``, profiled once beforehand
+from the serialized cache) so no state pays the first start's timing pass: the states differ
+only in their executables.
 
     python -m bench.coldstart [--model minilm-l6] [--write]
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 MEASURES = (
     "bench/coldstart.py", "jaxserve/registry.py", "jaxserve/models", "jaxserve/kernels",
     "jaxserve/polymorph.py", "jaxserve/servables.py", "jaxserve/compile_cache.py", "jaxserve/runtime.py",
+    "jaxserve/launch.py", "jaxserve/engine.py", "jaxserve/cli.py", "serving", "bench/load.py",
 )
 SECTIONS = {"coldstart": "--write"}
 
@@ -68,11 +74,25 @@ def run_state(state: str, cache_dir: Path, model: str) -> dict:
     return result
 
 
+def server_ready(cache_dir: Path, model: str, cost_model: Path, port: int, tune: bool = True) -> float:
+    """Seconds from starting ``jaxserve serve`` on ``cache_dir`` to its /readyz 200."""
+    from bench.load import start, stop
+
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", model, "--cache-dir", str(cache_dir),
+           "--port", str(port), "--cost-model", str(cost_model)] + ([] if tune else ["--no-tune"])
+    t0 = time.perf_counter()
+    proc = start(cmd, f"http://127.0.0.1:{port}")
+    seconds = time.perf_counter() - t0
+    stop(proc)
+    return seconds
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--child", default=None)
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--model", default="minilm-l6")
+    ap.add_argument("--port", type=int, default=8057, help="the servers' port (time to /readyz)")
     ap.add_argument("--write", action="store_true")
     add_quick(ap, model="vit-demo")
     args = apply_quick(ap.parse_args())
@@ -88,16 +108,33 @@ def main():
         shutil.rmtree(base / "b" / "executables")
         warm_xla = run_state("warm-xla", base / "b", args.model)
         serialized = run_state("serialized", base / "a", args.model)
-        for label, r in (("cold (empty cache), tuned", cold), ("cold (empty cache), --no-tune", fixed),
-                         ("warm XLA cache", warm_xla), ("serialized executables", serialized)):
+        # time to /readyz: one cost model for every server (profiled from the serialized cache)
+        costs = base / "cost_model.json"
+        subprocess.run([sys.executable, "-m", "jaxserve.cli", "profile", "--model", args.model, "--cache-dir",
+                        str(base / "a"), "--out", str(costs)], check=True, capture_output=True)
+        shutil.copytree(base / "b", base / "sb")  # the warm-XLA state again, for its server
+        ready = {"cold": server_ready(base / "sc", args.model, costs, args.port),
+                 "fixed": server_ready(base / "sf", args.model, costs, args.port, tune=False),
+                 "warm": server_ready(base / "sb", args.model, costs, args.port),
+                 "serialized": server_ready(base / "a", args.model, costs, args.port)}
+        for label, r, key in (("cold (empty cache), tuned", cold, "cold"),
+                              ("cold (empty cache), --no-tune", fixed, "fixed"),
+                              ("warm XLA cache", warm_xla, "warm"), ("serialized executables", serialized, "serialized")):
             rows.append([label, str(r["cells"]), f"{r['warmup_s']:.2f}", f"{r['warmup_s'] / cold['warmup_s']:.3f}",
-                         f"{r['process_s']:.1f}", ", ".join(f"{v} {k}" for k, v in r["sources"].items()),
+                         f"{r['process_s']:.1f}", f"{ready[key]:.1f}", f"{ready[key] / ready['fixed']:.3f}",
+                         ", ".join(f"{v} {k}" for k, v in r["sources"].items()),
                          str(r["backend_compiles"]), str(r["xla_cache_hits"])])
-        text = table(["state", "cells", "warmup s", "× cold (tuned)", "process s", "cells by source", "XLA compiles",
-                      "XLA cache hits"], rows)
-        notes = (f"Model {args.model}, its default grid. Goal: serialized load ≤ 0.10 × cold compile "
-                 f"(measured {serialized['warmup_s'] / fixed['warmup_s']:.3f} against the untuned cold compile, "
-                 f"{serialized['warmup_s'] / cold['warmup_s']:.3f} against the tuned one). Tuning costs "
+        text = table(["state", "cells", "warmup s", "× cold (tuned)", "process s", "server to /readyz s",
+                      "server × cold (--no-tune)", "cells by source", "XLA compiles", "XLA cache hits"], rows)
+        on_ready = ready["serialized"] / ready["fixed"]
+        notes = (f"Model {args.model}, its default grid. Goal: serialized ≤ 0.10 × cold. On the grid's warmup: "
+                 f"{serialized['warmup_s'] / fixed['warmup_s']:.3f} against the untuned cold compile, "
+                 f"{serialized['warmup_s'] / cold['warmup_s']:.3f} against the tuned one. On a server's time to "
+                 f"ready: {on_ready:.3f} against the untuned cold start "
+                 f"({ready['serialized']:.1f} s vs {ready['fixed']:.1f} s; "
+                 f"{ready['serialized'] / ready['cold']:.3f} against the tuned one), "
+                 f"{'met' if on_ready <= 0.10 else 'not met'}: what stays is what no cache removes (the imports, "
+                 f"the weights, the HTTP server, every cell run once). Tuning costs "
                  f"{cold['warmup_s'] / fixed['warmup_s']:.1f}x the untuned cold warmup, once: later starts load "
                  f"its winners serialized.")
         print(text)

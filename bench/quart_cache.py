@@ -169,7 +169,8 @@ def report(rows: list[dict], start_s: float, args) -> tuple[str, str]:
     notes = (f"Medians of {args.repeats} rounds, timed inside one warm replica actor (lease + `ray.get` + "
              f"a copy onto the device for the cache; orbax restore for the disk). Per 92 MB: cache "
              f"{per92['cache']:.1f} ms (shared {per92['shared']:.1f} ms), warm disk {per92['warm']:.1f} ms, cold disk {per92['cold']:.1f} ms "
-             f"(jaxserve.sched.quart.LoadModel assumes 12 and 85 ms). The cache (with its copy) is within 10% of "
+             f"(jaxserve.sched.quart.LoadModel prices {_load_model_ms('cache_s_per_mb'):.1f} and "
+             f"{_load_model_ms('page_s_per_mb'):.1f} ms, which quart_sim uses). The cache (with its copy) is within 10% of "
              f"the warm disk for {hit_goal} of {len(rows)} stages. A fresh replica actor's start (process, imports, JAX "
              f"backend) took {start_s:.2f} s once, which neither source saves. \"Cold\" drops the files from "
              "this machine's page cache; the virtual disk's host may still cache them.")
@@ -207,6 +208,13 @@ def host_to_device(models: list[str], repeats: int) -> tuple[str, str]:
              "cache hit costs this copy on top of the lease and `ray.get` measured on the CPU (section quart_cache); "
              "pageable (not pinned) host memory, as Ray's object store hands it out.")
     return body, notes
+
+
+def _load_model_ms(field: str) -> float:
+    """What ``jaxserve.sched.quart.LoadModel`` prices per 92 MB (``field``: seconds per MB), in ms."""
+    from jaxserve.sched.quart import LoadModel
+
+    return getattr(LoadModel(), field) * 92 * 1e3
 
 
 def main():
