@@ -39,17 +39,19 @@ WARN_RATIO = 1.3  # a model's measured/profiled ratio beyond 1.3 (or below 1/1.3
 
 
 @dataclass
-class _Mean:
-    """Exponentially weighted mean of log ratios, with the number of samples seen."""
+class RunningMean:
+    """Exponentially weighted mean (here of log ratios; AsyFunc's PriceTracker also of
+    seconds), with the number of samples seen. The first samples weigh 1/n, a plain mean,
+    until 1/n falls below ``alpha``: the first sample is taken in full, with no bias toward
+    the starting 0."""
 
-    log: float = 0.0
+    mean: float = 0.0
     n: int = 0
 
     def add(self, value: float, alpha: float) -> None:
-        # the first samples weigh 1/n (a plain mean) until 1/n falls below alpha: no bias toward 0
         self.n += 1
         w = max(alpha, 1.0 / self.n)
-        self.log += w * (value - self.log)
+        self.mean += w * (value - self.mean)
 
 
 class CostDrift:
@@ -65,8 +67,8 @@ class CostDrift:
         self.alpha = float(alpha)
         self.min_samples = int(min_samples)
         self.reprice_step = float(reprice_step)
-        self._cells: dict[tuple[str, Cell], _Mean] = {}
-        self._models: dict[str, _Mean] = {}
+        self._cells: dict[tuple[str, Cell], RunningMean] = {}
+        self._models: dict[str, RunningMean] = {}
         self._pushed: dict[tuple[str, Cell | None], float] = {}  # the corrections last handed over
         self.reprices = 0
 
@@ -78,20 +80,20 @@ class CostDrift:
         if not profiled or not (measured_s > 0 and math.isfinite(measured_s)):
             return False
         value = math.log(measured_s / profiled)
-        self._cells.setdefault((model, cell), _Mean()).add(value, self.alpha)
-        self._models.setdefault(model, _Mean()).add(value, self.alpha)
+        self._cells.setdefault((model, cell), RunningMean()).add(value, self.alpha)
+        self._models.setdefault(model, RunningMean()).add(value, self.alpha)
         return True
 
     def model_ratio(self, model: str) -> float:
         """``model``'s measured/profiled ratio over all its cells; 1 before ``min_samples`` steps."""
         m = self._models.get(model)
-        return math.exp(m.log) if m is not None and m.n >= self.min_samples else 1.0
+        return math.exp(m.mean) if m is not None and m.n >= self.min_samples else 1.0
 
     def ratio(self, model: str, cell: Cell) -> float:
         """The correction of one cell: its own ratio, else its model's, else 1."""
         m = self._cells.get((model, cell))
         if m is not None and m.n >= self.min_samples:
-            return math.exp(m.log)
+            return math.exp(m.mean)
         return self.model_ratio(model)
 
     def samples(self, model: str, cell: Cell | None = None) -> int:

@@ -88,6 +88,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
+from jaxserve.cost_drift import RunningMean
 from jaxserve.sched.base import (Batch, Cell, CostModel, LatencyProfile, PlacementChange, Plan, Policy, Request,
                                  ShapeGrid, Stage, StepSummary, WorkerView)
 
@@ -243,6 +244,9 @@ class PriceTracker:
     a burst's contention shows within tens of steps and passes as fast), and ``overhead_s``,
     the same mean of wall minus compute over whole-model steps (a split's steps also move
     activations, which :meth:`AsyFuncModel.transfer_s` prices). Starts at the profile's (1, 0).
+    Both means are :class:`jaxserve.cost_drift.RunningMean`, the engine's drift tracker's: the
+    first steps weigh 1/n, so the first measured step replaces the profile's price at once
+    rather than moving it by ``weight``.
 
     Why one factor for every stage and core count: on a shared node what moves live prices is
     contention (the front end, the client, the other workers on the same cores), which
@@ -252,19 +256,23 @@ class PriceTracker:
 
     def __init__(self, weight: float = 0.05, step: float = 0.05, overhead_step_s: float = 0.5e-3):
         self.weight, self.step, self.overhead_step_s = weight, step, overhead_step_s
-        self._log_scale = 0.0
-        self.overhead_s = 0.0
+        self._log_scale = RunningMean()
+        self._overhead = RunningMean()
         self.steps = 0
 
     @property
     def scale(self) -> float:
-        return math.exp(self._log_scale)
+        return math.exp(self._log_scale.mean)
+
+    @property
+    def overhead_s(self) -> float:
+        return self._overhead.mean
 
     def observe(self, compute_s: float, profiled_s: float, overhead_s: float | None) -> None:
         if compute_s > 0 and profiled_s > 0:
-            self._log_scale += self.weight * (math.log(compute_s / profiled_s) - self._log_scale)
+            self._log_scale.add(math.log(compute_s / profiled_s), self.weight)
         if overhead_s is not None:
-            self.overhead_s += self.weight * (max(0.0, overhead_s) - self.overhead_s)
+            self._overhead.add(max(0.0, overhead_s), self.weight)
         self.steps += 1
 
     def due(self, scale: float, overhead_s: float) -> bool:

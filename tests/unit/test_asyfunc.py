@@ -320,6 +320,10 @@ def test_the_price_tracker_learns_the_measured_ratio_and_the_overhead_of_whole_s
 
     t = PriceTracker(weight=0.1)
     assert (t.scale, t.overhead_s) == (1.0, 0.0) and not t.due(1.0, 0.0)
+    t.observe(0.30, 0.10, 0.004)  # the first step replaces the profile's price at once (weight 1/n)
+    assert t.scale == pytest.approx(3.0) and t.overhead_s == pytest.approx(0.004) and t.due(1.0, 0.0)
+    t.observe(0.10, 0.10, 0.0)  # the second weighs 1/2: the log-mean of x3 and x1
+    assert t.scale == pytest.approx(3.0 ** 0.5) and t.overhead_s == pytest.approx(0.002)
     for _ in range(200):
         t.observe(0.30, 0.10, 0.004)  # 3x the profile, 4 ms beside the compute
         t.observe(0.06, 0.02, None)  # a split's step: its ratio counts, its wall-compute does not
