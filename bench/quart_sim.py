@@ -32,6 +32,11 @@ Workloads:
   and minute to minute, and most functions' inter-arrival CV exceeds 1.
 * **CV sweep**: gamma inter-arrivals at ``--rate`` req/s with CV 0.1, 1, 2, 4, 8 (§8.3).
 
+Why several Azure seeds: the trace's x4 bursts fill all 48 workers, and once the cluster is
+full, which stage is left short decides the mean, so one trace's outcome turns on small
+differences (a seed, a load time). The Azure comparison is reported per seed
+(``--azure-seeds``); the headline table is the first seed's.
+
 Fitting (``--fit``): the CV-propagation model (:class:`CvPropagation`) is fitted on the
 measured arrival CV of every stage of the static pipeline (one replica per stage, no
 scaling), at input CV 0.1-8 and 30-90% of the slowest stage's capacity; the fit is used by
@@ -200,8 +205,11 @@ def main():
     ap.add_argument("--fit-duration", type=float, default=40.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cvs", default=",".join(str(c) for c in CVS))
+    ap.add_argument("--azure-seeds", type=int, default=5,
+                    help="Azure-shaped traces (seeds --seed, --seed+1, ...) each policy runs: one trace's outcome "
+                         "turns on which stage a full cluster starves (see the module docstring)")
     ap.add_argument("--write", action="store_true")
-    add_quick(ap, duration=20.0, fit_duration=10.0, cvs="1,4")
+    add_quick(ap, duration=20.0, fit_duration=10.0, cvs="1,4", azure_seeds=2)
     args = apply_quick(ap.parse_args())
     cvs = tuple(float(c) for c in args.cvs.split(","))
     setup_ = setup()
@@ -214,6 +222,8 @@ def main():
 
     results: dict[tuple[str, str], dict] = {}
     workloads = [("azure", azure_arrivals(args.rate, args.duration, args.seed), 1.5)]
+    workloads += [(f"azure-s{args.seed + k}", azure_arrivals(args.rate, args.duration, args.seed + k), 1.5)
+                  for k in range(1, args.azure_seeds)]
     workloads += [(f"cv{cv:g}", traces.gamma_arrivals(args.rate, cv, seed=args.seed + 7, duration=args.duration), cv)
                   for cv in cvs]
     for wname, arr, cv in workloads:
@@ -263,6 +273,22 @@ def report(results, cvs, fig3, cv_model, fit_err, n_samples, t_profile, args, to
                      f"{np.mean(lat)*100:+.1f}%", f"{np.mean(gp):.2f}x"])
     headline = table(["QUART against", "mean latency (Azure)", "paper", "QUART SLO 1.5x (ratio)",
                       "mean latency, CV sweep avg", "goodput ratio, CV sweep avg"], head)
+    seeds = [args.seed + k for k in range(args.azure_seeds)]
+    wl = ["azure" if k == 0 else f"azure-s{args.seed + k}" for k in range(args.azure_seeds)]
+    seed_rows = []
+    for name in POLICIES:
+        means = [results[(w, name)]["mean"] * 1e3 for w in wl]
+        row = [names[name], *(f"{m:.0f}" for m in means), f"{np.median(means):.0f}"]
+        if name != "quart":
+            ratios = [results[(w, "quart")]["mean"] / results[(w, name)]["mean"] for w in wl]
+            row.append(f"{np.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}), lower in "
+                       f"{sum(r < 1 for r in ratios)}/{len(ratios)}")
+        else:
+            row.append("-")
+        seed_rows.append(row)
+    by_seed = table(["policy", *(f"seed {sd}: mean ms" for sd in seeds), "median",
+                     "QUART / policy, per-seed median (range)"], seed_rows)
+    full = [results[(w, "quart")]["max_workers"] for w in wl]
     sweep_rows = []
     for cv in cvs:
         row = [f"{cv:g}"]
@@ -285,7 +311,11 @@ def report(results, cvs, fig3, cv_model, fit_err, n_samples, t_profile, args, to
     body = "\n\n".join([
         f"Azure-Functions-shaped trace, {results[('azure', 'quart')]['n']:,} requests at {args.rate:g} req/s mean "
         f"over {args.duration:g} s; SLO multiples of the profiled inference time {t_profile*1e3:.1f} ms:",
-        azure, "Headline against the paper:", headline, paper,
+        azure,
+        f"The same Azure-shaped workload over {len(seeds)} trace seeds (the table above is seed {args.seed}'s); QUART "
+        f"held {min(full)}-{max(full)} of the 48 workers at its peak:", by_seed,
+        "Headline against the paper (seed 0's trace; the per-seed table above says how far one trace carries):",
+        headline, paper,
         f"CV sweep ({args.rate:g} req/s, gamma inter-arrivals):", sweep,
         "Queues and replicas per stage (the whole-model baselines have one stage):", queues,
         f"CV per stage on the static 8-stage pipeline at 60% of its slowest stage's capacity (Fig. 3):", cvtab,

@@ -640,6 +640,18 @@ class ScalingPipeline(PipelineBatching):
         ws.sort(key=lambda w: (w in self._running_since, -w))
         return ws[:count]
 
+    def _remove(self, w: int, now: float, changes: list[PlacementChange]) -> None:
+        stage = self._worker_stage.pop(w)
+        self._removed.add(w)
+        changes.append(PlacementChange("remove_worker", w))
+        self.events.append((now, "remove", w, stage.label(), ""))
+
+    def _reclaim_for(self, stage: Stage, free: dict[int, int], want: dict[Stage, int], now: float,
+                     changes: list[PlacementChange]) -> int | None:
+        """No accelerator is free for a replica ``stage`` needs: free one from another stage
+        and return its server, or None (the default: a full cluster makes a stage wait)."""
+        return None
+
     def _control(self, now: float) -> list[PlacementChange]:
         dt = self.period if self._last_control is None else max(1e-9, now - self._last_control)
         self._last_control = now
@@ -653,6 +665,8 @@ class ScalingPipeline(PipelineBatching):
             for _ in range(target - have):
                 server = self.place(stage, free)
                 if server is None:
+                    server = self._reclaim_for(stage, free, want, now, changes)
+                if server is None:
                     break
                 w = self._next_id
                 self._next_id += 1
@@ -663,10 +677,7 @@ class ScalingPipeline(PipelineBatching):
                 changes.append(PlacementChange("add_worker", w))
             if target < have:
                 for w in self.pick_removals(stage, have - target):
-                    self._removed.add(w)
-                    self._worker_stage.pop(w, None)
-                    changes.append(PlacementChange("remove_worker", w))
-                    self.events.append((now, "remove", w, stage.label(), ""))
+                    self._remove(w, now, changes)
         self._stats = {s: _StageStats() for s in self.stages}
         self.replica_log.append((now, tuple(self.replicas(s) for s in self.stages)))
         self.queue_log.append((now, tuple(self.queued(s) for s in self.stages)))
@@ -774,6 +785,17 @@ class QuartPolicy(ScalingPipeline):
        says (dispersed, cached servers preferred); its load comes from the cache when its
        server holds the stage (:class:`LoadModel`), and a key stage loaded on a server is
        cached there (the KeysManager keeps it after the replica goes).
+    5. **A full cluster (our decision; the paper assumes free accelerators).** When a key
+       stage needs a replica and no accelerator is free, one is taken at once from the stage
+       with the most surplus: ready replicas beyond the Smoother's floor for it
+       (``max(1, ceil(1.1 λ_j / μ_j), ceil(y'_j))``), its delay within its target and nothing
+       queued. The replica it gives up is one on a server whose cache holds the key stage
+       (idle ones first, then the newest), so the new replica loads from the cache; a move
+       whose replica would load from disk (seconds, with both stages short meanwhile) is not
+       made, and without a cache (``use_cache=False``) none is. Without this, surplus waits
+       for the Smoother's ``reclaim_after`` while the key stage's queue grows, and which stage
+       starves decides the mean (bench/RESULTS.md, quart_sim, has what this changed;
+       ``tests/unit/test_quart.py`` has the case).
     """
 
     def __init__(self, chains, grids, cost, servers, worker_server, stage_mb, *, slo_s: float,
@@ -800,6 +822,7 @@ class QuartPolicy(ScalingPipeline):
             self.cores = {s: cpu.base_cores for s in self.stages}
         self.last_delay: dict[Stage, float] = {}
         self.last_cv: dict[Stage, float] = {}
+        self.reclaimed_for_key = 0  # replicas taken from a surplus stage for a key stage (point 5)
 
     def on_arrival(self, request: Request, now: float) -> None:
         super().on_arrival(request, now)
@@ -813,8 +836,11 @@ class QuartPolicy(ScalingPipeline):
 
     def desired(self, now, dt, rates):
         want: dict[Stage, int] = {}
+        self._rates = dict(rates)
+        self._mus, self._needed = {}, {}
         for model, chain in self.chains.items():
             mus = [self.service_rate(s) for s in chain]
+            self._mus.update(zip(chain, mus))
             live = [max(1, len(self.ready_replicas(s))) for s in chain]
             rhos = [rates[s] / (r * mu) for s, r, mu in zip(chain, live, mus)]
             cvs = self.cv_model.chain(self._cv_in[model].cv(), rhos, live)
@@ -838,12 +864,12 @@ class QuartPolicy(ScalingPipeline):
             for s, mu, cv, y in zip(chain, mus, cvs, smooth):
                 self.last_cv[s] = cv
                 r = want[s]
+                stable = math.ceil(1.1 * rates[s] / mu - 1e-9)
+                floor_ = self._needed[s] = max(1, stable, math.ceil(y - 1e-9))
                 if r <= 1 or now - self.key_stages.get(s, -math.inf) < self.reclaim_after:
                     continue
                 if r > len(self.ready_replicas(s)):
                     continue  # do not reclaim while replicas are still coming up
-                stable = math.ceil(1.1 * rates[s] / mu - 1e-9)
-                floor_ = max(1, stable, math.ceil(y - 1e-9))
                 if floor_ < r:
                     want[s] = r - 1
                     self.pids[s].reset()
@@ -852,6 +878,36 @@ class QuartPolicy(ScalingPipeline):
                 elif self.cpu is not None and rates[s] < 0.5 * (r * mu):
                     self.cores[s] = self.cpu.base_cores
         return want
+
+    def _reclaim_for(self, stage, free, want, now, changes):
+        if not self.use_cache:
+            return None
+        rates, mus, needed = getattr(self, "_rates", {}), getattr(self, "_mus", {}), getattr(self, "_needed", {})
+        best = None  # (-surplus, chain position, worker)
+        for i, s in enumerate(self.stages):
+            if s == stage or s not in needed or self.queued(s) or self.last_delay.get(s, 0.0) > self.targets[s]:
+                continue
+            ready = len(self.ready_replicas(s))
+            if ready < self.replicas(s):
+                continue  # replicas still coming up: its need is not settled
+            surplus = min(ready, want.get(s, ready)) - needed[s]
+            if surplus <= 0:
+                continue
+            w = next((w for w in self.pick_removals(s, ready) if self.cache.holds(self.worker_server[w], stage)), None)
+            if w is not None and (best is None or (-surplus, i) < best[:2]):
+                best = (-surplus, i, w)
+        if best is None:
+            return None
+        w = best[2]
+        donor, server = self._worker_stage[w], self.worker_server[w]
+        self._remove(w, now, changes)
+        want[donor] = self.replicas(donor)
+        self.pids[donor].reset()
+        if self.cpu is not None:
+            self.cores[donor] = self.cpu.cores(rates[donor], mus[donor], want[donor])
+        free[server] += 1
+        self.reclaimed_for_key += 1
+        return server
 
     def priority(self, stage):
         """Key stages first: the largest normalised excess delay gets accelerators first."""

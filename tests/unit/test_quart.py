@@ -185,6 +185,48 @@ def test_new_key_stage_replicas_load_from_the_cache_where_it_holds_them():
     assert r_fast.mean_latency() < r_slow.mean_latency()
 
 
+def test_a_key_stage_on_a_full_cluster_takes_a_replica_from_a_stage_with_surplus():
+    """Point 5 of QuartPolicy's docstring: 6 accelerators, all held (3 replicas of the fast
+    first stage, just scaled out, one of each other). The burst makes the slow stage the key stage; no
+    accelerator is free, so it takes an idle replica of the first stage's surplus at once, on a
+    server whose cache holds it, instead of waiting for the Smoother, and the burst's latency
+    is lower for it."""
+    servers = [Server(i, 2) for i in range(3)]
+    placement = {0: 0, 1: 1, 2: 2, 3: 0, 4: 1, 5: 2}
+    holdings = {0: frozenset({S[0]}), 1: frozenset({S[0]}), 2: frozenset({S[0]}), 3: frozenset({S[1]}),
+                4: frozenset({S[2]}), 5: frozenset({S[3]})}
+
+    def make(cached_on=(0, 1, 2)):
+        cache = ParameterCache(servers)
+        for srv in cached_on:  # the KeysManager holds the slow stage there (an earlier burst)
+            cache.insert(srv, S[1], 50.0)
+        policy = QuartPolicy({"m": S}, GRID, _cost(), servers, placement, {s: 50.0 for s in S}, slo_s=0.2,
+                             period=0.5, reclaim_after=30.0, cache=cache)
+        policy.key_stages[S[0]] = 0.0  # scaled out just before: the Smoother keeps its replicas for 30 s
+        return policy
+
+    policy = make()
+    r = _run(policy, _burst_trace(), instances=6, holdings=holdings)
+    assert sum(r.outcome_counts().values()) == len(r) == r.outcome_counts()["ok"]
+    assert policy.reclaimed_for_key >= 1
+    removed = [e for e in policy.events if e[1] == "remove" and e[0] < 15]  # in the burst (after it: the Smoother)
+    assert removed and all(e[3] == S[0].label() for e in removed)  # only the stage with surplus gives one up
+    loads = [e for e in policy.events if e[1] == "load"]
+    assert loads and loads[0][3] == S[1].label() and loads[0][0] >= removed[0][0] and loads[0][4] == "cache"
+    assert max(rep[1] for t, rep in policy.replica_log if 10 <= t <= 20) >= 2
+    assert all(sum(rep) <= 6 for _, rep in policy.replica_log)  # never more workers than accelerators
+    waiting = make()
+    waiting._reclaim_for = lambda *a: None  # the ScalingPipeline default: the key stage waits
+    r_wait = _run(waiting, _burst_trace(), instances=6, holdings=holdings)
+    assert waiting.reclaimed_for_key == 0
+    assert not [e for e in waiting.events if e[1] == "load" and e[0] < 30]  # waits for the Smoother's 30 s
+    assert r.mean_latency() < r_wait.mean_latency()
+    # a move whose new replica would load from disk (no server caches the slow stage) is not made
+    uncached = make(cached_on=())
+    _run(uncached, _burst_trace(), instances=6, holdings=holdings)
+    assert uncached.reclaimed_for_key == 0
+
+
 def _cached():
     cache = ParameterCache(SERVERS)
     for srv in range(4):
