@@ -92,7 +92,8 @@ class Sampler:
             self.rows.append((time.perf_counter(), cores, nbytes,
                               m.get("jaxserve_policy_asyfunc_measured_scale", 1.0),
                               m.get("jaxserve_policy_asyfunc_measured_step_overhead_seconds", 0.0),
-                              m.get("jaxserve_policy_asyfunc_measured_steps", 0.0)))
+                              m.get("jaxserve_policy_asyfunc_measured_steps", 0.0),
+                              m.get("jaxserve_policy_asyfunc_measured_price_sigma", 0.0)))
 
     def __enter__(self):
         self._thread.start()
@@ -103,16 +104,17 @@ class Sampler:
         self._thread.join(5)
 
     def means(self) -> tuple[float, float]:
-        rows = np.array(self.rows) if self.rows else np.zeros((1, 6))
+        rows = np.array(self.rows) if self.rows else np.zeros((1, 7))
         return float(rows[:, 1].mean()), float(rows[:, 2].mean())
 
-    def prices(self) -> tuple[float, float]:
-        """(scale, per-step overhead s): the policy's measurements, time-averaged over the samples
-        taken once it had measured a step; (1, 0) if it never did."""
+    def prices(self) -> tuple[float, float, float]:
+        """(scale, per-step overhead s, sigma of the log ratio): the policy's measurements,
+        time-averaged over the samples taken once it had measured a step; (1, 0, 0) if it never
+        did."""
         rows = np.array([r for r in self.rows if r[5] > 0])
         if not len(rows):
-            return 1.0, 0.0
-        return float(np.exp(np.log(rows[:, 3]).mean())), float(rows[:, 4].mean())
+            return 1.0, 0.0, 0.0
+        return float(np.exp(np.log(rows[:, 3]).mean())), float(rows[:, 4].mean()), float(rows[:, 6].mean())
 
 
 def shadow_loads(metrics: dict[str, float], blocks: set[str]) -> list[float]:
@@ -127,19 +129,23 @@ def shadow_loads(metrics: dict[str, float], blocks: set[str]) -> list[float]:
     return out
 
 
-def simulated(policy: str, body_cores: int, schedule: np.ndarray, prices: tuple[float, float] | None = None) -> dict:
+def simulated(policy: str, body_cores: int, schedule: np.ndarray, prices: tuple[float, float, float] | None = None,
+              seed: int = 0) -> dict:
     """The schedule through the simulator with the live server's policy (every request at the
-    bucket's length, as the engine pads it). ``prices`` (scale, per-step overhead s): plan and
-    run with these instead of the profile's (``AsyFuncPolicy.plan_with_prices``)."""
+    bucket's length, as the engine pads it). ``prices`` (scale, per-step overhead s, sigma):
+    plan and run with the first two instead of the profile's (``AsyFuncPolicy.plan_with_prices``),
+    and draw each step's price with a mean-one log-normal factor of the measured sigma."""
     from jaxserve import traces
     from jaxserve.launch import simulate_asyfunc
 
     pol = planned(policy, body_cores)
+    noise = 0.0
     if prices is not None:
-        pol.plan_with_prices(*prices)
+        pol.plan_with_prices(*prices[:2])
+        noise = prices[2]
     trace = traces.make_trace(schedule, model=MODEL, length=np.full(len(schedule), pol.model.seq),
                               slo_s=pol.knobs.slo_s)
-    result, pol = simulate_asyfunc(policy, None, None, trace, policy=pol)
+    result, pol = simulate_asyfunc(policy, None, None, trace, policy=pol, latency_noise=noise, seed=seed)
     end = float(np.nanmax(result.finish))
     core_s, byte_s = pol.ledger.usage(0.0, end)
     s = result.summary()
@@ -241,7 +247,7 @@ def run(args) -> None:
     for policy, _, cores in POLICIES:
         for r in runs[policy]:
             held_out = runs[policy][(r["round"] - 2) % len(runs[policy])]["prices"]
-            r["cal"] = simulated(policy, cores, schedules[r["round"] - 1], held_out)
+            r["cal"] = simulated(policy, cores, schedules[r["round"] - 1], held_out, seed=r["round"])
 
     def med(policy: str, key: str, sim: bool | str = False) -> float:
         which = "sim" if sim is True else sim
@@ -262,7 +268,8 @@ def run(args) -> None:
                         f"{med(policy, 'splits'):.0f}", f"{med(policy, 'splits', True):.0f}",
                         f"{np.median(loads) * 1e3:.0f} ({len(loads)})" if loads else "—",
                         f"×{np.median([r['prices'][0] for r in runs[policy]]):.2f} + "
-                        f"{np.median([r['prices'][1] for r in runs[policy]]) * 1e3:.1f}",
+                        f"{np.median([r['prices'][1] for r in runs[policy]]) * 1e3:.1f}, σ "
+                        f"{np.median([r['prices'][2] for r in runs[policy]]):.2f}",
                         f"{max(r['compiles'] for r in runs[policy]):.0f}"])
     per_round = []
     for policy, label, _ in POLICIES:
@@ -280,7 +287,7 @@ def run(args) -> None:
                    "mean ms live", "mean ms sim", "mean ms sim, measured prices", "p98 ms live", "p98 ms sim",
                    "p98 ms sim, measured prices", "client mean / p98 ms", "mean cores live",
                    "mean cores sim", "mean MB live", "mean MB sim", "split batches live", "split batches sim",
-                   "shadow block load ms (n)", "measured prices: scale + ms per step", "compiles after ready"],
+                   "shadow block load ms (n)", "measured prices: scale + ms per step, σ", "compiles after ready"],
                   summary)
             + "\n\nMedians over rounds. Per round (the same requests for the three policies within a round):\n\n"
             + table(["round", "policy", "requests", "violation", "minus BATCH's", "cores / BATCH's", "MB / BATCH's",
@@ -332,7 +339,8 @@ def reading(runs: dict[str, list[dict]]) -> str:
         ok = all(abs(x - 1) <= 0.10 for x in rm + rp)
         scale = np.median([r["prices"][0] for r in runs[policy]])
         over = np.median([r["prices"][1] for r in runs[policy]]) * 1e3
-        cal.append(f"{label} measured ×{scale:.2f} the profile's compute and {over:.1f} ms per step, "
+        sigma = np.median([r["prices"][2] for r in runs[policy]])
+        cal.append(f"{label} measured ×{scale:.2f} the profile's compute (σ {sigma:.2f}) and {over:.1f} ms per step, "
                    f"{np.median([r['reprices'] for r in runs[policy]]):.0f} reprices; live / sim "
                    f"{np.median(rm):.2f}x / {np.median(rp):.2f}x ({'within' if ok else 'not within'} 10% in every round)")
     cal_viol = {label: float(np.median([r["cal"]["violation"] for r in runs[policy]])) for policy, label, _ in POLICIES}

@@ -246,7 +246,11 @@ class PriceTracker:
     activations, which :meth:`AsyFuncModel.transfer_s` prices). Starts at the profile's (1, 0).
     Both means are :class:`jaxserve.cost_drift.RunningMean`, the engine's drift tracker's: the
     first steps weigh 1/n, so the first measured step replaces the profile's price at once
-    rather than moving it by ``weight``.
+    rather than moving it by ``weight``. ``sigma``: the spread of those log ratios, the root of
+    the same weighted mean of each step's squared deviation from the mean before it (so it
+    also holds how far one step lands from the price planned for it). Planning uses the
+    mean prices only; the spread is what a simulation of the run draws each step's price
+    with (``latency_noise``), since queueing grows with service-time variance.
 
     Why one factor for every stage and core count: on a shared node what moves live prices is
     contention (the front end, the client, the other workers on the same cores), which
@@ -258,6 +262,7 @@ class PriceTracker:
         self.weight, self.step, self.overhead_step_s = weight, step, overhead_step_s
         self._log_scale = RunningMean()
         self._overhead = RunningMean()
+        self._log_var = RunningMean()
         self.steps = 0
 
     @property
@@ -268,9 +273,16 @@ class PriceTracker:
     def overhead_s(self) -> float:
         return self._overhead.mean
 
+    @property
+    def sigma(self) -> float:
+        return math.sqrt(self._log_var.mean)
+
     def observe(self, compute_s: float, profiled_s: float, overhead_s: float | None) -> None:
         if compute_s > 0 and profiled_s > 0:
-            self._log_scale.add(math.log(compute_s / profiled_s), self.weight)
+            x = math.log(compute_s / profiled_s)
+            if self._log_scale.n:
+                self._log_var.add((x - self._log_scale.mean) ** 2, self.weight)
+            self._log_scale.add(x, self.weight)
         if overhead_s is not None:
             self._overhead.add(max(0.0, overhead_s), self.weight)
         self.steps += 1
@@ -711,6 +723,7 @@ class AsyFuncPolicy(Policy):
         yield "asyfunc_reprices", {}, float(self.reprices)
         yield "asyfunc_measured_scale", {}, float(self.prices.scale)
         yield "asyfunc_measured_step_overhead_seconds", {}, float(self.prices.overhead_s)
+        yield "asyfunc_measured_price_sigma", {}, float(self.prices.sigma)
         yield "asyfunc_measured_steps", {}, float(self.prices.steps)
 
     def service_time(self, batch: Batch) -> float:

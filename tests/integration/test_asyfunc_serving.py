@@ -129,6 +129,7 @@ def test_without_layer_level_scaling_a_burst_never_adds_a_shadow(policy, profile
         assert measured != 1.0
         assert (planned == 1.0) == (gauge(srv.url, "asyfunc_reprices") == 0.0)
         assert abs(measured / planned - 1) <= 0.05  # within the tracker's step of what it plans with
+        assert gauge(srv.url, "asyfunc_measured_price_sigma") > 0.0  # real steps never land on one price
 
 
 def test_without_slo_ms_every_request_gets_the_policy_s_slo_as_its_deadline(profile_path, cache_dir):

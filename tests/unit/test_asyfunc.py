@@ -322,16 +322,24 @@ def test_the_price_tracker_learns_the_measured_ratio_and_the_overhead_of_whole_s
     assert (t.scale, t.overhead_s) == (1.0, 0.0) and not t.due(1.0, 0.0)
     t.observe(0.30, 0.10, 0.004)  # the first step replaces the profile's price at once (weight 1/n)
     assert t.scale == pytest.approx(3.0) and t.overhead_s == pytest.approx(0.004) and t.due(1.0, 0.0)
+    assert t.sigma == 0.0
     t.observe(0.10, 0.10, 0.0)  # the second weighs 1/2: the log-mean of x3 and x1
     assert t.scale == pytest.approx(3.0 ** 0.5) and t.overhead_s == pytest.approx(0.002)
+    assert t.sigma == pytest.approx(math.log(3.0))  # its deviation from the mean before it
     for _ in range(200):
         t.observe(0.30, 0.10, 0.004)  # 3x the profile, 4 ms beside the compute
         t.observe(0.06, 0.02, None)  # a split's step: its ratio counts, its wall-compute does not
     assert t.scale == pytest.approx(3.0, rel=1e-3)
     assert t.overhead_s == pytest.approx(0.004, rel=1e-3)
     assert t.due(1.0, 0.004) and t.due(3.0, 0.0) and not t.due(2.95, 0.0041)
+    assert t.sigma < 0.05  # steady ratios: the spread decays toward 0
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        t.observe(0.30 * math.exp(rng.normal(0.0, 0.2)), 0.10, 0.004)
+    assert t.sigma == pytest.approx(0.2, rel=0.3)  # a log-normal spread of 0.2 around the same mean
+    before = t.scale
     t.observe(0.0, 0.10, -0.5)  # a zero compute carries no ratio; a negative overhead counts as none
-    assert t.scale == pytest.approx(3.0, rel=1e-3) and t.overhead_s < 0.004
+    assert t.scale == before and t.overhead_s < 0.004
 
 
 def test_steps_and_splits_are_priced_with_the_measured_scale_and_a_per_step_overhead():
