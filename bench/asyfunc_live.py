@@ -22,11 +22,11 @@ SECTIONS = {"asyfunc_live": "--write"}
 
 import argparse
 import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
+
+from bench.common import MetricsSampler
 
 MODEL = "minilm-l6"
 # measured by the wall clock on this machine while quiet (jaxserve profile --layers --clock wall --out
@@ -69,49 +69,36 @@ def tweets_that_fit(seq: int) -> list[str]:
     return [t for t, ids in zip(texts, tok.encode(texts)) if len(ids) <= seq]
 
 
-class Sampler:
-    """Samples the policy's held cores and parameter bytes, and its measured prices (scale and
-    per-step overhead), from /metrics every ``every`` seconds."""
+class Sampler(MetricsSampler):
+    """Samples the policy's held cores and parameter bytes, and its measured prices (scale,
+    per-step overhead, spread), from /metrics every ``every`` seconds."""
 
     def __init__(self, url: str, every: float = 0.5):
-        self.url, self.every, self.rows = url, every, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__(url, "jaxserve_policy_asyfunc_cores", "jaxserve_policy_asyfunc_param_bytes",
+                         "jaxserve_policy_asyfunc_measured_", every=every)
 
-    def _run(self) -> None:
-        from bench.common import scrape
-
-        while not self._stop.wait(self.every):
-            try:
-                m = scrape(self.url, "jaxserve_policy_asyfunc_cores", "jaxserve_policy_asyfunc_param_bytes",
-                           "jaxserve_policy_asyfunc_measured_")
-            except Exception:  # noqa: BLE001 - a missed sample is a missed sample
-                continue
-            cores = sum(v for k, v in m.items() if k.startswith("jaxserve_policy_asyfunc_cores"))
-            nbytes = sum(v for k, v in m.items() if k.startswith("jaxserve_policy_asyfunc_param_bytes"))
-            self.rows.append((time.perf_counter(), cores, nbytes,
-                              m.get("jaxserve_policy_asyfunc_measured_scale", 1.0),
-                              m.get("jaxserve_policy_asyfunc_measured_step_overhead_seconds", 0.0),
-                              m.get("jaxserve_policy_asyfunc_measured_steps", 0.0),
-                              m.get("jaxserve_policy_asyfunc_measured_price_sigma", 0.0)))
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(5)
+    @property
+    def table(self) -> list[tuple]:
+        """(t, cores, bytes, scale, overhead s, steps, sigma) per sample."""
+        out = []
+        for t, m in self.rows:
+            out.append((t, sum(v for k, v in m.items() if k.startswith("jaxserve_policy_asyfunc_cores")),
+                        sum(v for k, v in m.items() if k.startswith("jaxserve_policy_asyfunc_param_bytes")),
+                        m.get("jaxserve_policy_asyfunc_measured_scale", 1.0),
+                        m.get("jaxserve_policy_asyfunc_measured_step_overhead_seconds", 0.0),
+                        m.get("jaxserve_policy_asyfunc_measured_steps", 0.0),
+                        m.get("jaxserve_policy_asyfunc_measured_price_sigma", 0.0)))
+        return out
 
     def means(self) -> tuple[float, float]:
-        rows = np.array(self.rows) if self.rows else np.zeros((1, 7))
+        rows = np.array(self.table) if self.rows else np.zeros((1, 7))
         return float(rows[:, 1].mean()), float(rows[:, 2].mean())
 
     def prices(self) -> tuple[float, float, float]:
         """(scale, per-step overhead s, sigma of the log ratio): the policy's measurements,
         time-averaged over the samples taken once it had measured a step; (1, 0, 0) if it never
         did."""
-        rows = np.array([r for r in self.rows if r[5] > 0])
+        rows = np.array([r for r in self.table if r[5] > 0])
         if not len(rows):
             return 1.0, 0.0, 0.0
         return float(np.exp(np.log(rows[:, 3]).mean())), float(rows[:, 4].mean()), float(rows[:, 6].mean())

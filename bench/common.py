@@ -32,6 +32,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -240,6 +241,36 @@ def scrape(url: str, *prefixes: str) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
+
+
+class MetricsSampler:
+    """A server's ``/metrics`` series starting with any of ``prefixes`` (:func:`scrape`), every
+    ``every`` seconds on a background thread while used as a context manager: ``rows`` holds
+    (seconds since it started, {name: value}); a failed scrape is skipped."""
+
+    def __init__(self, url: str, *prefixes: str, every: float = 0.5):
+        import threading
+
+        self.url, self.prefixes, self.every, self.rows = url, prefixes, every, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        while not self._stop.wait(self.every):
+            try:
+                m = scrape(self.url, *self.prefixes)
+            except Exception:  # noqa: BLE001 - a missed sample is a missed sample
+                continue
+            self.rows.append((time.perf_counter() - t0, m))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(5)
 
 
 def save_plot(fig, ax, path: Path, legend_size=None, dpi: int = 120) -> Path:

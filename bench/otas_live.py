@@ -19,6 +19,23 @@ evicted), with 1 split into 1/2 by the client, who knows the truth; a 429 counts
 The simulated column is bench/otas_utility.py's scoring of a simulator run of the same trace
 with the unscaled measured cost model: the gap is the live overheads (HTTP, the event loop,
 decode and encode) the cost model does not price.
+
+``--model dinov2-s14`` (section ``otas-utility-live-dinov2-s14``): the same on DINOv2
+ViT-S/14, where a batch of 8 takes over a second on these 2 cores, so the model, not HTTP,
+sets the knee and OTAS must merge tokens in bursts. Decisions for it: the query types are
+Table II's with its two tasks (mnist in the easy task's rows, animals in the hard task's; no
+third task); rates are the paper's x ``--rate-scale`` 0.024, the ratio of the capacities
+(batch 8 at gamma 0 took 568 ms here, 14 img/s, against the paper's 580 req/s), so load
+stands to capacity as in the paper (4.8-16.8 req/s synthetic, 4.8 / 18 req/s bursty); the
+SLOs are the paper's 0.6 s / 1 s (one to two batch-8 steps); traces last 90 s (about a dozen
+bursts); the grid is batch 1, 2, 4, 8 x its OTAS gammas (the largest
+batches take seconds each); fixed ToMe runs the paper's gamma -15; there is no VPT baseline,
+since no prompts are trained for it (its gammas stop at 0). The cost model is the one the
+server profiled at start (the cache's ``cost_model.json``) with the prompt repository's
+accuracy, and the simulated utility is the expected one (each on-time answer right with the
+profiled accuracy of its task and gamma: running every test image at every gamma beforehand
+would take longer than the run). OTAS's gamma over time, with the server's queue depth
+sampled from /metrics, is plotted (``plots/otas_live_gamma_<trace>_dinov2-s14.png``).
 """
 
 from __future__ import annotations
@@ -26,13 +43,14 @@ from __future__ import annotations
 # What its numbers measure and the runs that write its sections (bench/common.py: declarations;
 # read by bench.all, bench.status and bench.headline without importing this module).
 MEASURES = (
-    "bench/otas_live.py", "bench/otas_utility.py", "bench/load.py", "bench/otas_cost_vit-demo.json",
+    "bench/otas_live.py", "bench/otas_utility.py", "bench/load.py", "bench/fidelity.py", "bench/otas_cost_vit-demo.json",
+    "jaxserve/assets/dinov2-s14-prompts", "jaxserve/datasets.py",
     "jaxserve/sched/otas.py", "serving", "jaxserve/engine.py", "jaxserve/launch.py", "jaxserve/workers.py",
     "jaxserve/cli.py", "jaxserve/sched/base.py", "jaxserve/sched/batching.py", "jaxserve/models",
     "jaxserve/kernels", "jaxserve/polymorph.py", "jaxserve/servables.py", "jaxserve/compile_cache.py",
     "jaxserve/runtime.py",
 )
-SECTIONS = {"otas-utility-live": "--write"}
+SECTIONS = {"otas-utility-live": "--write", "otas-utility-live-dinov2-s14": "--model dinov2-s14 --write"}
 
 import argparse
 import asyncio
@@ -45,35 +63,60 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.common import add_quick, apply_quick, PLOTS, record, save_plot, table
+from bench.common import MetricsSampler, PLOTS, add_quick, apply_quick, record, save_plot, table
 from bench.load import start, stop
 from bench.otas_utility import MODEL, QUERY_TYPES, TOME_GAMMA, VPT_GAMMA, correctness_table, make_workload, score
 
-POLICIES = {"otas": "OTAS", "pets": "PetS", "tome": f"ToMe ({TOME_GAMMA:+d})", "vpt": f"VPT ({VPT_GAMMA:+d})"}
+DINOV2 = "dinov2-s14"
+DINOV2_QUERY_TYPES = (  # Table II's rows with our two DINOv2 tasks (see the module docstring)
+    ("mnist", 0.6, 0.3), ("mnist", 1.0, 0.01),
+    ("animals", 0.6, 1.0), ("animals", 1.0, 0.2),
+)
+DINOV2_TOME_GAMMA = -15  # the paper's fixed-ToMe gamma
+DINOV2_BATCHES = (1, 2, 4, 8)
 
 
-def pngs_by_task(shape) -> dict:
+def policy_names(model: str) -> dict:
+    tome = DINOV2_TOME_GAMMA if model == DINOV2 else TOME_GAMMA
+    names = {"otas": "OTAS", "pets": "PetS", "tome": f"ToMe ({tome:+d})"}
+    if model != DINOV2:
+        names["vpt"] = f"VPT ({VPT_GAMMA:+d})"
+    return names
+
+
+POLICIES = policy_names(MODEL)
+
+
+def pngs_by_task(shape, model: str = MODEL) -> tuple[dict, dict]:
+    """({task: (base64 PNGs of its held-out images, their label indices)}, {task: labels})."""
     from PIL import Image
 
-    from jaxserve.datasets import digit_task_split
+    from jaxserve.datasets import DINOV2_TASKS, digit_task_split, dinov2_task_split
 
-    out = {}
-    for task in {q[0] for q in QUERY_TYPES}:
-        split = digit_task_split(task, "test", shape)
+    out, labels_of = {}, {}
+    for task in (DINOV2_TASKS if model == DINOV2 else sorted({q[0] for q in QUERY_TYPES})):
+        if model == DINOV2:
+            split, labels_of[task] = dinov2_task_split(task, "heldout", shape[0])
+        else:
+            split = digit_task_split(task, "test", shape)
+            labels_of[task] = ["even", "odd"] if task == "parity" else [str(i) for i in range(10)]
         encoded = []
         for img in split.images:
+            arr = (np.asarray(img) * 255).round().astype(np.uint8)
             buf = io.BytesIO()
-            Image.fromarray((img[..., 0] * 255).round().astype(np.uint8), "L").save(buf, format="PNG")
+            Image.fromarray(arr[..., 0] if arr.shape[-1] == 1 else arr).save(buf, format="PNG")
             encoded.append(base64.b64encode(buf.getvalue()).decode())
         out[task] = (encoded, split.labels)
-    return out
+    return out, labels_of
 
 
-async def replay(url: str, workload, images: dict, labels_of: dict, timeout_s: float = 60.0) -> dict:
+async def replay(url: str, workload, images: dict, labels_of: dict, timeout_s: float = 60.0,
+                 model: str = MODEL) -> dict:
     trace = workload.trace
     n = len(trace)
     rec = {"outcome": ["rejected"] * n, "type": np.full(n, 4), "gamma": np.full(n, -99), "right": np.zeros(n, bool),
-           "latency": np.full(n, np.nan), "finish": np.full(n, np.nan)}
+           "latency": np.full(n, np.nan), "finish": np.full(n, np.nan), "server_ms": np.full(n, np.nan),
+           "computed": []}  # computed: (shape, compute ms, ms its instance was held) per answer that ran
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
         t_start = time.perf_counter()
@@ -85,7 +128,7 @@ async def replay(url: str, workload, images: dict, labels_of: dict, timeout_s: f
             task = str(trace.task[i])
             encoded, truth = images[task]
             k = int(workload.image[i])
-            body = {"model": MODEL, "task": task, "inputs": [encoded[k]], "slo_ms": float(trace.slo_s[i]) * 1e3,
+            body = {"model": model, "task": task, "inputs": [encoded[k]], "slo_ms": float(trace.slo_s[i]) * 1e3,
                     "utility": float(trace.utility[i])}
             t0 = time.perf_counter()
             try:
@@ -104,6 +147,9 @@ async def replay(url: str, workload, images: dict, labels_of: dict, timeout_s: f
             rec["type"][i] = meta["outcome_type"]
             if meta["gamma"] is not None:
                 rec["gamma"][i] = meta["gamma"]
+            if meta["outcome"] != "evicted":
+                rec["server_ms"][i] = meta["latency_ms"]
+                rec["computed"].append((meta["shape"], meta["compute_ms"], meta["latency_ms"] - meta["queue_ms"]))
             right = item["label"] is not None and labels_of[task][truth[k]] == item["label"]
             rec["right"][i] = right
             if meta["outcome_type"] == 1 and not right:
@@ -121,12 +167,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def ensure_ours(proc, url: str, policy: str) -> None:
+def ensure_ours(proc, url: str, policy: str, model: str = MODEL) -> None:
     """Refuse to load a server that is not the one just started (another job on the port)."""
     body = httpx.get(url + "/v1/models", timeout=10).json()
     models = [m["id"] for m in body.get("data", [])]
     expected = {"otas": "OTASPolicy", "pets": "PetSPolicy", "tome": "FixedToMePolicy", "vpt": "FixedVPTPolicy"}[policy]
-    if proc.poll() is not None or models != [MODEL] or body.get("policy") != expected:
+    if proc.poll() is not None or models != [model] or body.get("policy") != expected:
         raise RuntimeError(f"{url} is not our {policy} server (models {models}, policy {body.get('policy')})")
 
 
@@ -148,61 +194,111 @@ def live_score(rec: dict, workload) -> dict:
     }
 
 
+def adaptation(rec: dict, queue: list) -> dict:
+    """Did OTAS's gamma follow the load? Each answered request's gamma against the queue depth
+    sampled nearest its finish: the mean gamma when the queue was above its median against at
+    or below it, and the gammas used."""
+    ran = (rec["gamma"] > -99) & np.isfinite(rec["finish"])
+    if not queue or not ran.any():
+        return {"gammas_used": 0, "busy_gamma": float("nan"), "quiet_gamma": float("nan"), "adapted": False}
+    qt, qd = np.array(queue).T
+    depth = qd[np.clip(np.searchsorted(qt, rec["finish"][ran]), 0, len(qt) - 1)]
+    gam = rec["gamma"][ran].astype(float)
+    busy = depth > np.median(qd)
+    out = {"gammas_used": int(len(np.unique(gam))),
+           "busy_gamma": float(gam[busy].mean()) if busy.any() else float("nan"),
+           "quiet_gamma": float(gam[~busy].mean()) if (~busy).any() else float("nan")}
+    out["adapted"] = bool(out["gammas_used"] > 1 and out["busy_gamma"] < out["quiet_gamma"])
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--duration", type=float, default=45.0)
-    p.add_argument("--rate-scale", type=float, default=0.06)
-    p.add_argument("--slo-scale", type=float, default=0.25)
+    p.add_argument("--model", default=MODEL, choices=(MODEL, DINOV2))
+    p.add_argument("--duration", type=float, default=None, help="seconds per trace; default 45 (vit-demo), 90 "
+                   "(dinov2-s14)")
+    p.add_argument("--rate-scale", type=float, default=None, help="default 0.06 (vit-demo), 0.024 (dinov2-s14)")
+    p.add_argument("--slo-scale", type=float, default=None, help="default 0.25 (vit-demo), 1 (dinov2-s14)")
     p.add_argument("--traces", default="synthetic,bursty")
-    p.add_argument("--policies", default="otas,pets,tome,vpt")
-    p.add_argument("--cost", default=str(Path(__file__).parent / "otas_cost_vit-demo.json"))
+    p.add_argument("--policies", default=None, help="default: otas,pets,tome,vpt (dinov2-s14: no vpt)")
+    p.add_argument("--cost", default=None,
+                   help="the cost model server and simulator plan with (default: bench/otas_cost_vit-demo.json for "
+                        "vit-demo; for dinov2-s14 the one the server profiles into the cache)")
     p.add_argument("--port", type=int, default=0, help="0: a free port, chosen per server")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--cache-dir", default="compiled_cache")
     p.add_argument("--write", action="store_true")
     add_quick(p, duration=5.0, traces="synthetic")
     args = apply_quick(p.parse_args())
+    from bench.fidelity import planned_models, sim_policy
     from jaxserve.profiler import load_cost_model
-    from jaxserve.sched.base import ShapeGrid
     from jaxserve.simulator import simulate
-    from bench.otas_utility import make_policies
 
-    cost = load_cost_model(args.cost)
-    lat = cost.latency[MODEL]
-    grid = ShapeGrid(tuple(sorted({c.batch for c in lat.cells()})), gammas=tuple(sorted({c.gamma for c in lat.cells()})))
-    correct = correctness_table(grid.gammas, args.cache_dir)
-    images = pngs_by_task((32, 32, 1))
-    labels_of = {"digits": [str(i) for i in range(10)], "inverted": [str(i) for i in range(10)],
-                 "parity": ["even", "odd"]}
+    dinov2 = args.model == DINOV2
+    names = policy_names(args.model)
+    args.rate_scale = args.rate_scale or (0.024 if dinov2 else 0.06)
+    args.slo_scale = args.slo_scale or (1.0 if dinov2 else 0.25)
+    args.duration = args.duration or (90.0 if dinov2 else 45.0)
+    args.policies = args.policies or ",".join(names)
+    if args.cost is None and not dinov2:
+        args.cost = str(Path(__file__).parent / "otas_cost_vit-demo.json")
+    tome = DINOV2_TOME_GAMMA if dinov2 else TOME_GAMMA
+    options = {"otas": {"tome_gamma": tome, "vpt_gamma": None if dinov2 else VPT_GAMMA}}
+    cost = planned = correct = None
+
+    def plan_with(loaded):
+        nonlocal cost, planned, correct
+        cost = loaded
+        planned = planned_models(cost, args.model, "otas")
+        if not dinov2:
+            correct = correctness_table(planned[args.model].grid.gammas, args.cache_dir)
+
+    if args.cost:
+        plan_with(load_cost_model(args.cost))
+    images, labels_of = pngs_by_task((224, 224, 3) if dinov2 else (32, 32, 1), args.model)
     results = {}
     for kind in args.traces.split(","):
-        workload = make_workload(kind, args.duration, args.seed, rate_scale=args.rate_scale, slo_scale=args.slo_scale)
-        sims = make_policies(cost, grid)
+        workload = make_workload(kind, args.duration, args.seed, rate_scale=args.rate_scale, slo_scale=args.slo_scale,
+                                 n_images=min(len(v[0]) for v in images.values()),
+                                 query_types=DINOV2_QUERY_TYPES if dinov2 else QUERY_TYPES, model=args.model)
         results[kind] = {"requests": len(workload.trace), "policies": {}}
         for key in args.policies.split(","):
-            name = POLICIES[key]
+            name = names[key]
             port = args.port or free_port()
             url = f"http://127.0.0.1:{port}"
-            cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--policy", key, "--port", str(port),
-                   "--cache-dir", args.cache_dir, "--cost-model", args.cost, "--max-queue", "4096",
-                   f"--gammas={','.join(str(g) for g in grid.gammas)}",
-                   "--batch-sizes", ",".join(str(b) for b in grid.batch_sizes)]
+            cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", args.model, "--policy", key, "--port",
+                   str(port), "--cache-dir", args.cache_dir, "--max-queue", "4096"]
+            if dinov2:
+                cmd += ["--batch-sizes", ",".join(map(str, DINOV2_BATCHES))]
+            else:
+                grid = planned[args.model].grid
+                cmd += ["--cost-model", args.cost, f"--gammas={','.join(str(g) for g in grid.gammas)}",
+                        "--batch-sizes", ",".join(str(b) for b in grid.batch_sizes)]
             if key == "tome":
-                cmd += ["--tome-gamma", str(TOME_GAMMA)]
+                cmd += ["--tome-gamma", str(tome)]
             if key == "vpt":
                 cmd += ["--vpt-gamma", str(VPT_GAMMA)]
             server = start(cmd, url)
             try:
-                ensure_ours(server, url, key)
-                rec = asyncio.run(replay(url, workload, images, labels_of))
+                ensure_ours(server, url, key, args.model)
+                if cost is None:  # the server profiled its cells at start: plan with what it plans with
+                    plan_with(load_cost_model(Path(args.cache_dir) / "cost_model.json"))
+                with MetricsSampler(url, "jaxserve_queue_depth ") as sampler:
+                    rec = asyncio.run(replay(url, workload, images, labels_of, model=args.model))
+                queue = [(t, m["jaxserve_queue_depth"]) for t, m in sampler.rows if "jaxserve_queue_depth" in m]
             finally:
                 stop(server)
             live = live_score(rec, workload)
-            sim = score(simulate(sims[name], workload.trace, cost, instances=1), workload, correct)
+            live["queue"], live["rec"] = queue, rec
+            live["adaptation"] = adaptation(rec, queue)
+            result = simulate(sim_policy(key, planned, cost, options), workload.trace, cost, instances=1)
+            sim = score(result, workload, correct, accuracy=planned[args.model].accuracy if dinov2 else None)
             results[kind]["policies"][name] = {"live": live, "sim": sim}
             print(f"{kind:>9} {name:>10}: live utility {live['utility']:8.1f} type1 {live['types'][1]:.3f} "
                   f"type4 {live['types'][4]:.3f} p98 {live['p98_ms']:.0f} ms | sim utility {sim['utility']:8.1f} "
-                  f"type1 {sim['types'][1]:.3f}  gammas {live['gamma_share']}", flush=True)
+                  f"type1 {sim['types'][1]:.3f}  gammas {live['gamma_share']} {live['adaptation']}", flush=True)
+    grid = planned[args.model].grid
+    suffix = f"_{args.model}" if dinov2 else ""
     body_parts = []
     for kind, res in results.items():
         pol = res["policies"]
@@ -211,25 +307,43 @@ def main() -> None:
         for name, r in pol.items():
             lv, sm = r["live"], r["sim"]
             gam = ", ".join(f"{g:+d}: {s:.0%}" for g, s in sorted(lv["gamma_share"].items(), key=lambda x: -x[1])[:3])
+            ad = lv["adaptation"]
             rows.append([name, f"{lv['utility']:.1f}", f"{(lv['utility'] / pets - 1) * 100:+.1f}%" if pets else "-",
                          *(f"{lv['types'][t]:.1%}" for t in (1, 2, 3, 4)), str(lv["rejected"]), str(lv["errors"]),
                          f"{lv['p50_ms']:.0f} / {lv['p98_ms']:.0f}", gam,
-                         f"{sm['utility']:.1f} ({sm['types'][1]:.1%})"])
+                         f"{ad['busy_gamma']:+.1f} / {ad['quiet_gamma']:+.1f}",
+                         f"{sm['utility']:.1f} ({sm['types'][1]:.1%})", f"{(lv['utility'] / sm['utility'] - 1) * 100:+.1f}%"
+                         if sm["utility"] else "-"])
         body_parts.append(f"**{kind}** (live, {res['requests']} requests in {args.duration:.0f} s):\n\n" + table(
             ["policy", "utility", "vs PetS", "type 1", "type 2", "type 3", "type 4", "429", "errors",
-             "client p50 / p98 ms", "gamma shares", "simulated utility (type 1)"], rows))
-        _plot(res, PLOTS / f"otas_live_{kind}.png", f"cumulative utility, {kind} trace (live HTTP)")
+             "client p50 / p98 ms", "gamma shares", "mean gamma, queue above / below its median",
+             "simulated utility (type 1)", "live vs sim utility"], rows))
+        _plot(res, PLOTS / f"otas_live_{kind}{suffix}.png", f"cumulative utility, {kind} trace (live HTTP)")
+        if "OTAS" in pol:
+            _plot_gamma(pol["OTAS"]["live"], PLOTS / f"otas_live_gamma_{kind}{suffix}.png",
+                        f"OTAS live on {args.model}, {kind} trace: gamma and queue")
     body = "\n\n".join(body_parts)
-    notes = (f"Live: a fresh `jaxserve serve --policy P` per policy on 127.0.0.1 (grid: batch "
+    slo = sorted({q[1] for q in (DINOV2_QUERY_TYPES if dinov2 else QUERY_TYPES)})
+    plots = [f"![{k}](plots/otas_live_{k}{suffix}.png)" for k in results]
+    plots += [f"![{k} gamma](plots/otas_live_gamma_{k}{suffix}.png)" for k in results if "OTAS" in results[k]["policies"]]
+    notes = (f"Live: a fresh `jaxserve serve --model {args.model} --policy P` per policy on 127.0.0.1 (grid: batch "
              f"{','.join(map(str, grid.batch_sizes))} x gamma {','.join(map(str, grid.gammas))}), open-loop client "
              f"in the same 2 shared cores; paper rates x {args.rate_scale}, SLOs x {args.slo_scale} "
-             f"({0.6 * args.slo_scale * 1e3:.0f} ms / {1.0 * args.slo_scale * 1e3:.0f} ms). Type 1/2 split by the client "
+             f"({' / '.join(f'{x * args.slo_scale * 1e3:.0f} ms' for x in slo)}). Type 1/2 split by the client "
              "from the true label; type 4 includes evictions and 429s. Simulated: the same trace and policies, "
-             "simulator with the unscaled cost model."
-             + "\n\n" + live_reading(results)
-             + "\n\n" + " ".join(f"![{k}](plots/otas_live_{k}.png)" for k in results))
+             "simulator with the unscaled cost model"
+             + (" the server profiled, utility in expectation (the profiled accuracy per task and gamma)" if dinov2
+                else "") + ". 'Mean gamma, queue above / below its median': each answered request's gamma against "
+             "the server's queue depth sampled (every 0.5 s) nearest its answer."
+             + "\n\n" + (dinov2_reading(results) if dinov2 else live_reading(results))
+             + "\n\n" + " ".join(plots))
     if args.write:
-        record("otas-utility-live", "OTAS: utility and outcome types, live over HTTP at this machine's scale", body, notes)
+        if dinov2:
+            record(f"otas-utility-live-{args.model}", "OTAS live on DINOv2 ViT-S/14: compute-bound, utility against "
+                   "PetS and fixed ToMe, and gamma against load", body, notes)
+        else:
+            record("otas-utility-live", "OTAS: utility and outcome types, live over HTTP at this machine's scale",
+                   body, notes)
     print(body)
     print(notes)
 
@@ -250,6 +364,57 @@ def live_reading(results: dict) -> str:
             f"otas-utility-sim). Live and simulated utilities agree within {max(gaps):.1%} for every policy and "
             "trace: the simulator drives the same policy objects with the same cost model, so its figures carry "
             "over to live serving up to the HTTP overheads the cost model does not price.")
+
+
+def dinov2_reading(results: dict) -> str:
+    """What the DINOv2 run shows: whether OTAS's gamma followed the load, its utility against
+    PetS and fixed ToMe (goal: +18.2% against PetS on the bursty trace), and live against
+    simulated utility (within 10%)."""
+    parts = []
+    for kind, res in results.items():
+        pol = res["policies"]
+        if "OTAS" not in pol:
+            continue
+        o = pol["OTAS"]["live"]
+        ad = o["adaptation"]
+        vs = {n: (o["utility"] / r["live"]["utility"] - 1) * 100 for n, r in pol.items()
+              if n != "OTAS" and r["live"]["utility"]}
+        gaps = {n: (r["live"]["utility"] / r["sim"]["utility"] - 1) * 100 for n, r in pol.items() if r["sim"]["utility"]}
+        acted = ("its gamma followed the load" if ad["adapted"] else "its gamma did NOT follow the load")
+        parts.append(
+            f"{kind}: OTAS used {ad['gammas_used']} gammas and {acted} (mean gamma {ad['busy_gamma']:+.1f} while the "
+            f"queue stood above its median, {ad['quiet_gamma']:+.1f} below); its utility "
+            + ", ".join(f"{v:+.1f}% against {n}" for n, v in vs.items())
+            + "; live against simulated utility " + ", ".join(f"{n} {v:+.1f}%" for n, v in gaps.items())
+            + f" ({'within' if all(abs(v) <= 10 for v in gaps.values()) else 'not within'} 10% for every policy)")
+    bursty = results.get("bursty", {}).get("policies", {})
+    goal = ""
+    if {"OTAS", "PetS"} <= set(bursty) and bursty["PetS"]["live"]["utility"]:
+        g = (bursty["OTAS"]["live"]["utility"] / bursty["PetS"]["live"]["utility"] - 1) * 100
+        goal = f"**Goal (>= +18.2% utility against PetS on the bursty trace, live): {'met' if g >= 18.2 else 'NOT met'} — {g:+.1f}%.** "
+    return goal + "Reading. " + ". ".join(parts) + "."
+
+
+def _plot_gamma(live: dict, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rec = live["rec"]
+    ran = (rec["gamma"] > -99) & np.isfinite(rec["finish"])
+    fig, ax = plt.subplots(figsize=(7.0, 3.8))
+    ax.scatter(rec["finish"][ran], rec["gamma"][ran], s=6, alpha=0.5, color="tab:blue", label="gamma per answer")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("gamma")
+    ax.set_title(title)
+    if live["queue"]:
+        qt, qd = np.array(live["queue"]).T
+        ax2 = ax.twinx()
+        ax2.plot(qt, qd, color="tab:red", lw=1.0, label="queue depth")
+        ax2.set_ylabel("queued requests", color="tab:red")
+        ax2.legend(loc="upper right", fontsize=8)
+    save_plot(fig, ax, path)
 
 
 def _plot(res, path, title):

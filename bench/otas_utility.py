@@ -91,7 +91,9 @@ class Workload:
 
 
 def make_workload(kind: str, duration: float, seed: int, rate_scale: float = 1.0, slo_scale: float = 1.0,
-                  n_images: int = 180) -> Workload:
+                  n_images: int = 180, query_types=QUERY_TYPES, model: str = MODEL) -> Workload:
+    """The module docstring's workload (``query_types``: (task, SLO s, utility) per type, drawn
+    uniformly), for ``model``."""
     from jaxserve import traces
 
     rng = np.random.default_rng(seed)
@@ -104,11 +106,11 @@ def make_workload(kind: str, duration: float, seed: int, rate_scale: float = 1.0
     else:
         raise ValueError(kind)
     n = len(arrivals)
-    qtype = rng.integers(0, len(QUERY_TYPES), n)
-    tasks = np.array([QUERY_TYPES[q][0] for q in qtype])
-    slo = np.array([QUERY_TYPES[q][1] for q in qtype]) * slo_scale
-    util = np.array([QUERY_TYPES[q][2] for q in qtype])
-    trace = traces.make_trace(arrivals, model=MODEL, task=tasks, slo_s=slo, utility=util)
+    qtype = rng.integers(0, len(query_types), n)
+    tasks = np.array([query_types[q][0] for q in qtype])
+    slo = np.array([query_types[q][1] for q in qtype]) * slo_scale
+    util = np.array([query_types[q][2] for q in qtype])
+    trace = traces.make_trace(arrivals, model=model, task=tasks, slo_s=slo, utility=util)
     return Workload(trace, rng.integers(0, n_images, n), qtype)
 
 
@@ -152,19 +154,23 @@ def make_policies(cost, grid, variants=None, switch_seconds: float = 0.0) -> dic
     return policies
 
 
-def score(result, workload: Workload, correct: dict, variant_correct: dict | None = None) -> dict:
+def score(result, workload: Workload, correct: dict | None, variant_correct: dict | None = None,
+          accuracy=None) -> dict:
     """Utility, outcome types and gamma shares of one simulated run (see module docstring), scored by
-    the library's :func:`jaxserve.simulator.utility_score` with each request's real correctness."""
+    the library's :func:`jaxserve.simulator.utility_score` with each request's real correctness
+    (``correct``), or, given ``accuracy`` (a profile) instead, the expected ones."""
     from jaxserve.simulator import OK, utility_score
 
     trace = workload.trace
-    n = len(trace)
-    right = np.zeros(n, bool)
-    for i in np.nonzero(result.outcome == OK)[0]:
-        task, g = str(trace.task[i]), int(result.cell_gamma[i])
-        table_ = correct if variant_correct is None else variant_correct[int(result.batch[i])]
-        right[i] = table_[(task, g)][workload.image[i]]
-    scored = utility_score(result, trace, correct=right)
+    if accuracy is not None:
+        scored = utility_score(result, trace, accuracy=accuracy)
+    else:
+        right = np.zeros(len(trace), bool)
+        for i in np.nonzero(result.outcome == OK)[0]:
+            task, g = str(trace.task[i]), int(result.cell_gamma[i])
+            table_ = correct if variant_correct is None else variant_correct[int(result.batch[i])]
+            right[i] = table_[(task, g)][workload.image[i]]
+        scored = utility_score(result, trace, correct=right)
     order = np.argsort(result.finish)
     return {
         "utility": scored.utility, "max_utility": scored.max_utility,
