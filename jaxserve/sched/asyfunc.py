@@ -245,8 +245,11 @@ class PriceTracker:
     the same mean of wall minus compute over whole-model steps (a split's steps also move
     activations, which :meth:`AsyFuncModel.transfer_s` prices). Starts at the profile's (1, 0).
     Both means are :class:`jaxserve.cost_drift.RunningMean`, the engine's drift tracker's: the
-    first steps weigh 1/n, so the first measured step replaces the profile's price at once
-    rather than moving it by ``weight``. ``sigma``: the spread of those log ratios, the root of
+    first steps weigh 1/n, a plain mean, rather than moving the profile's price by ``weight``
+    each. Like the engine's :class:`CostDrift` (``min_samples``), it is never :meth:`due`
+    before ``min_steps`` steps: one slow first step (a worker's first call) taken in full once
+    priced every step at 21x, and a policy that then evicts every request runs no step that
+    could correct it (asyfunc_live, round 3 of the run at 8434bbc). ``sigma``: the spread of those log ratios, the root of
     the same weighted mean of each step's squared deviation from the mean before it (so it
     also holds how far one step lands from the price planned for it). Planning uses the
     mean prices only; the spread is what a simulation of the run draws each step's price
@@ -258,8 +261,8 @@ class PriceTracker:
     scale moved by more than ``step`` (relative) or the overhead by more than ``overhead_step_s``
     since the prices in use."""
 
-    def __init__(self, weight: float = 0.05, step: float = 0.05, overhead_step_s: float = 0.5e-3):
-        self.weight, self.step, self.overhead_step_s = weight, step, overhead_step_s
+    def __init__(self, weight: float = 0.05, step: float = 0.05, overhead_step_s: float = 0.5e-3, min_steps: int = 8):
+        self.weight, self.step, self.overhead_step_s, self.min_steps = weight, step, overhead_step_s, min_steps
         self._log_scale = RunningMean()
         self._overhead = RunningMean()
         self._log_var = RunningMean()
@@ -288,6 +291,8 @@ class PriceTracker:
         self.steps += 1
 
     def due(self, scale: float, overhead_s: float) -> bool:
+        if self.steps < self.min_steps:
+            return False
         return (abs(self.scale / scale - 1.0) > self.step
                 or abs(self.overhead_s - overhead_s) > self.overhead_step_s)
 

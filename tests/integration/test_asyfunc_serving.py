@@ -113,18 +113,20 @@ def test_a_burst_adds_a_shadow_splits_batches_answers_as_the_whole_model_and_rel
 @pytest.mark.parametrize("policy", ["asyfunc-batch", "asyfunc-nolls"])
 def test_without_layer_level_scaling_a_burst_never_adds_a_shadow(policy, profile_path, cache_dir):
     """... and, with price correction on, the policy measures its steps against the profile
-    and plans with what it measured once that differs (the hand-made profile is far off)."""
+    and, after its first ``min_steps`` steps, plans with what it measured once that differs
+    (the hand-made profile is far off). Three bursts: at least 3 steps each."""
     with LiveServer(settings_for(policy, profile_path, cache_dir, correct_prices=True)) as srv, \
             httpx.Client(base_url=srv.url, timeout=120) as c:
-        burst = embeddings(c, SENTENCES)
-        assert burst.shape == (len(SENTENCES), 384)
+        for _ in range(3):
+            burst = embeddings(c, SENTENCES)
+            assert burst.shape == (len(SENTENCES), 384)
         engine = srv.app.state.jaxserve.engine
         assert not [d for d in engine.policy.decisions if d[1] == "add_shadow"]
         assert gauge(srv.url, "asyfunc_split_batches") == 0.0
         assert sorted(engine.workers) == [0]
         assert gauge(srv.url, "asyfunc_cores", kind="body") == (2 if policy == "asyfunc-batch" else 1)
         steps = gauge(srv.url, "asyfunc_measured_steps")
-        assert steps >= len(SENTENCES) / 4 and steps == engine.stats.steps
+        assert steps >= max(3 * len(SENTENCES) / 4, engine.policy.prices.min_steps) and steps == engine.stats.steps
         measured, planned = gauge(srv.url, "asyfunc_measured_scale"), gauge(srv.url, "asyfunc_price_scale")
         assert measured != 1.0
         assert (planned == 1.0) == (gauge(srv.url, "asyfunc_reprices") == 0.0)

@@ -318,9 +318,9 @@ def test_a_shadow_whose_load_fails_is_released_and_its_body_serves_alone():
 def test_the_price_tracker_learns_the_measured_ratio_and_the_overhead_of_whole_steps_only():
     from jaxserve.sched.asyfunc import PriceTracker
 
-    t = PriceTracker(weight=0.1)
+    t = PriceTracker(weight=0.1, min_steps=1)
     assert (t.scale, t.overhead_s) == (1.0, 0.0) and not t.due(1.0, 0.0)
-    t.observe(0.30, 0.10, 0.004)  # the first step replaces the profile's price at once (weight 1/n)
+    t.observe(0.30, 0.10, 0.004)  # the first step weighs 1/n = 1
     assert t.scale == pytest.approx(3.0) and t.overhead_s == pytest.approx(0.004) and t.due(1.0, 0.0)
     assert t.sigma == 0.0
     t.observe(0.10, 0.10, 0.0)  # the second weighs 1/2: the log-mean of x3 and x1
@@ -340,6 +340,19 @@ def test_the_price_tracker_learns_the_measured_ratio_and_the_overhead_of_whole_s
     before = t.scale
     t.observe(0.0, 0.10, -0.5)  # a zero compute carries no ratio; a negative overhead counts as none
     assert t.scale == before and t.overhead_s < 0.004
+
+
+def test_one_slow_first_step_does_not_reprice_before_min_steps():
+    """A worker's first call can take 20x its price: the tracker reports it, but is not due
+    (the policy keeps the profile's prices) until ``min_steps`` steps, whose mean dilutes it."""
+    from jaxserve.sched.asyfunc import PriceTracker
+
+    t = PriceTracker()
+    t.observe(2.1, 0.10, 0.02)  # 21x
+    assert t.scale == pytest.approx(21.0) and not t.due(1.0, 0.0)
+    for _ in range(t.min_steps - 1):
+        t.observe(0.12, 0.10, 0.004)
+    assert t.due(1.0, 0.0) and t.scale < 1.2 * 21 ** (1 / t.min_steps)  # the mean of 8 logs, not the outlier
 
 
 def test_steps_and_splits_are_priced_with_the_measured_scale_and_a_per_step_overhead():
