@@ -149,15 +149,20 @@ def profile_latency(runtimes: Mapping[str, ModelRuntime], repeats: int, progress
 
 def price_cells(runtimes: Mapping[str, ModelRuntime], path: Path | None, progress: bool,
                 stop: Callable[[], bool] | None = None) -> CostModel:
-    """The cost model the policy uses: read from ``path`` if it prices every cell, else
-    measured now (``jaxserve profile`` does the same, with more repeats) and saved."""
-    if path is not None and path.exists():
-        cost = load_cost_model(path)
-        if all(n in cost.latency and set(rt.grid.cells()) <= set(cost.latency[n].seconds)
-               for n, rt in runtimes.items()):
-            run_every_cell_once(runtimes, stop)
-            return cost
-    cost = CostModel(latency=profile_latency(runtimes, 3, progress, stop), machine=machine_description())
+    """The cost model the policy uses: read from ``path``; a served model it lacks, or whose
+    cells it does not all price, is measured now (``jaxserve profile`` does the same, with
+    more repeats) and saved into it. Other models' prices in the file are kept: servers of
+    different models may share one cache directory, and one must not erase another's
+    profile (each would then re-profile at every start)."""
+    cost = load_cost_model(path) if path is not None and path.exists() else CostModel(latency={})
+    missing = {n: rt for n, rt in runtimes.items()
+               if n not in cost.latency or not set(rt.grid.cells()) <= set(cost.latency[n].seconds)}
+    if not missing:
+        run_every_cell_once(runtimes, stop)
+        return cost
+    run_every_cell_once({n: rt for n, rt in runtimes.items() if n not in missing}, stop)
+    cost = CostModel(latency={**cost.latency, **profile_latency(missing, 3, progress, stop)}, accuracy=cost.accuracy,
+                     machine=machine_description())
     if path is not None:
         save_cost_model(path, cost)
     return cost

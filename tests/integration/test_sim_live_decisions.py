@@ -111,3 +111,30 @@ def test_the_simulator_makes_the_engine_s_batches_on_the_engine_s_times(runtime,
     result = simulate(policy, trace, cost, instances=2, service_time=service_time)
     assert result.outcome_counts()["ok"] == len(ids)
     assert sorted(simulated) == sorted(live)
+
+
+def test_pricing_a_served_model_keeps_the_other_models_prices_in_the_cache_s_cost_model(runtime, tmp_path):
+    """Servers of different models share one cache's cost_model.json: a start that must profile
+    its model adds that model's prices and keeps the others' (it used to write only its own,
+    so the next server of another model re-profiled, and erased these in turn); a start whose
+    model is priced re-profiles nothing; one with a cell unpriced re-profiles that model."""
+    from jaxserve.profiler import load_cost_model, save_cost_model
+    from jaxserve.sched.base import Cell, CostModel, LatencyProfile
+
+    path = tmp_path / "cost_model.json"
+    other = LatencyProfile("dinov2-s14", {Cell(1, 0, 0): 0.07, Cell(8, 0, -21): 0.28})
+    save_cost_model(path, CostModel(latency={"dinov2-s14": other}, machine="elsewhere"))
+    first = price_cells({runtime.name: runtime}, path, False)
+    saved = load_cost_model(path)
+    assert set(saved.latency) == {"dinov2-s14", runtime.name} == set(first.latency)
+    assert dict(saved.latency["dinov2-s14"].seconds) == dict(other.seconds)
+    assert set(saved.latency[runtime.name].seconds) == set(runtime.grid.cells())
+    again = price_cells({runtime.name: runtime}, path, False)  # priced: nothing measured, nothing written
+    assert dict(again.latency[runtime.name].seconds) == dict(saved.latency[runtime.name].seconds)
+    partial = dict(saved.latency[runtime.name].seconds)
+    dropped = next(iter(partial))
+    del partial[dropped]
+    save_cost_model(path, CostModel(latency={**saved.latency, runtime.name: LatencyProfile(runtime.name, partial)}))
+    price_cells({runtime.name: runtime}, path, False)
+    redone = load_cost_model(path)
+    assert dropped in redone.latency[runtime.name].seconds and "dinov2-s14" in redone.latency
