@@ -654,6 +654,8 @@ def source_cell(key: str, sections: dict[str, Section], states: dict) -> str:
     if st is not None:
         if st.state == "stale":
             mark = " · **stale**"
+        elif "waived" in st.detail:
+            mark = " · later change waived in the section"
         elif st.state == "unstamped":
             mark = " · unstamped" + (", code changed since" if "changed since: none" not in st.detail
                                      and "changed since" in st.detail else "")

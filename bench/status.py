@@ -10,6 +10,11 @@ declares the files its numbers measure (``MEASURES``, bench/common.py). A sectio
 - ``stale``: a measured file changed in a commit its stamped commit lacks (or the stamp says
   ``+uncommitted``: the numbers measured edits no commit held when they ran). The detail names
   the changed files;
+- ``fresh (waived)``: every such commit is named in one of the section's own
+  ``*Unaffected by:* <commit> — <why>`` lines, a hand-written claim that the commit changes
+  nothing the section measured (a rename, a path its runs never take). The claim names
+  commits, not files, so any later change makes the section stale again; the detail lists
+  the waived commits, and the reason stays in the section for a reader to judge;
 - ``unstamped``: written before stamps named a commit. For the real RESULTS.md, the detail
   says in which commit the section's text was recorded (``git blame`` of its date line) and
   whether a measured file changed after it: a hint, not a verdict;
@@ -151,6 +156,20 @@ def _changed_since(commit: str, measures) -> list[str]:
     return [f for f in git("diff", "--name-only", commit, "HEAD", "--", *measures).splitlines() if f]
 
 
+_WAIVER = re.compile(r"^\*Unaffected by:\* ([0-9a-f]{7,40})\b", re.M)
+
+
+def _waived(s: "Section", measures) -> list[str]:
+    """The commits after ``s``'s stamp that changed its measured files, if every one of them is
+    waived by the section's ``*Unaffected by:*`` lines; else []."""
+    if s.uncommitted:
+        return []
+    commits = git("log", "--format=%H", f"{s.commit}..HEAD", "--", *measures).split()
+    named = _WAIVER.findall(s.text)
+    ok = commits and all(any(c.startswith(n) for n in named) for c in commits)
+    return commits if ok else []
+
+
 def _recorded_in(results: Path, line: int) -> str:
     """The commit that recorded line ``line`` of the real RESULTS.md (git blame at HEAD), or ''."""
     try:
@@ -197,7 +216,12 @@ def status(results: Path = CANONICAL_RESULTS, infer: bool | None = None) -> list
             out.append(Status(state="unknown", stamped=_short(s.commit), last_change=_short(last),
                               detail=f"commit {s.commit} is not in this clone", **common))
             continue
-        if last and not _contains(s.commit, last):
+        waived = _waived(s, d["measures"]) if last and not _contains(s.commit, last) else None
+        if waived:
+            out.append(Status(state="fresh", stamped=_short(s.commit), last_change=_short(last),
+                              detail="up to date but for " + ", ".join(_short(c) for c in waived)
+                              + ", waived in the section (*Unaffected by:*)", **common))
+        elif last and not _contains(s.commit, last):
             changed = _changed_since(s.commit, d["measures"])
             out.append(Status(state="stale", stamped=_short(s.commit), last_change=_short(last),
                               detail="changed since: " + ", ".join(changed[:4])

@@ -190,6 +190,23 @@ def test_status_stale_names_the_changed_files(tmp_path):
     assert status.main(["--results", str(path), "--check"]) == 0
 
 
+@needs_git
+def test_a_waiver_naming_every_later_commit_keeps_a_section_fresh_and_any_other_commit_does_not(tmp_path):
+    measures = status.declared()["sim_speed"]["measures"]
+    last = common.git("log", "-1", "--format=%H", "--", *measures)
+    before = common.git("rev-parse", f"{last}^")
+    if not before or common.git("log", "--format=%H", f"{before}..HEAD", "--", *measures).split() != [last]:
+        pytest.skip("needs exactly one change to the measured files after the stamp")
+    path = tmp_path / "RESULTS.md"
+    waived = _section("sim_speed", before).replace("| a |", f"*Unaffected by:* {last[:9]} — a rename\n\n| a |")
+    path.write_text(waived)
+    (row,) = status.status(path)
+    assert row.state == "fresh" and last[:9] in row.detail and "waived" in row.detail
+    path.write_text(waived.replace(last[:9], before[:9]))  # a waiver for another commit waives nothing
+    (row,) = status.status(path)
+    assert row.state == "stale"
+
+
 # ---------------------------------------------------------------- bench.headline
 
 def test_headline_from_the_real_results_finds_every_figure():
