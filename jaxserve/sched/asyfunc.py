@@ -247,13 +247,13 @@ class PriceTracker:
     Both means are :class:`jaxserve.cost_drift.RunningMean`, the engine's drift tracker's: the
     first steps weigh 1/n, a plain mean, rather than moving the profile's price by ``weight``
     each. Like the engine's :class:`CostDrift` (``min_samples``), it is never :meth:`due`
-    before ``min_steps`` steps: one slow first step (a worker's first call) taken in full once
-    priced every step at 21x, and a policy that then evicts every request runs no step that
-    could correct it (asyfunc_live, round 3 of the run at 8434bbc). ``sigma``: the spread of those log ratios, the root of
-    the same weighted mean of each step's squared deviation from the mean before it (so it
-    also holds how far one step lands from the price planned for it). Planning uses the
-    mean prices only; the spread is what a simulation of the run draws each step's price
-    with (``latency_noise``), since queueing grows with service-time variance.
+    before ``min_steps`` steps: one slow first step (a worker's first call) taken in full
+    would price every step like it, and a policy that then evicts every request runs no
+    step that could correct it. ``sigma``: the spread of those log ratios, the root of the
+    same weighted mean of each step's squared deviation from the mean before it (so it also
+    holds how far one step lands from the price planned for it). Planning uses the mean
+    prices only; the spread is what a simulation of the run draws each step's price with
+    (``latency_noise``), since queueing grows with service-time variance.
 
     Why one factor for every stage and core count: on a shared node what moves live prices is
     contention (the front end, the client, the other workers on the same cores), which
@@ -261,7 +261,8 @@ class PriceTracker:
     scale moved by more than ``step`` (relative) or the overhead by more than ``overhead_step_s``
     since the prices in use."""
 
-    def __init__(self, weight: float = 0.05, step: float = 0.05, overhead_step_s: float = 0.5e-3, min_steps: int = 8):
+    def __init__(self, weight: float = 0.05, step: float = 0.05, overhead_step_s: float = 0.5e-3,
+                 min_steps: int = 8):
         self.weight, self.step, self.overhead_step_s, self.min_steps = weight, step, overhead_step_s, min_steps
         self._log_scale = RunningMean()
         self._overhead = RunningMean()

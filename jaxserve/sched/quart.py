@@ -823,6 +823,10 @@ class QuartPolicy(ScalingPipeline):
         self.last_delay: dict[Stage, float] = {}
         self.last_cv: dict[Stage, float] = {}
         self.reclaimed_for_key = 0  # replicas taken from a surplus stage for a key stage (point 5)
+        # this period's arrival and service rates and Smoother floors per stage (set by desired)
+        self._rates: dict[Stage, float] = {}
+        self._mus: dict[Stage, float] = {}
+        self._needed: dict[Stage, int] = {}
 
     def on_arrival(self, request: Request, now: float) -> None:
         super().on_arrival(request, now)
@@ -882,7 +886,7 @@ class QuartPolicy(ScalingPipeline):
     def _reclaim_for(self, stage, free, want, now, changes):
         if not self.use_cache:
             return None
-        rates, mus, needed = getattr(self, "_rates", {}), getattr(self, "_mus", {}), getattr(self, "_needed", {})
+        rates, mus, needed = self._rates, self._mus, self._needed
         best = None  # (-surplus, chain position, worker)
         for i, s in enumerate(self.stages):
             if s == stage or s not in needed or self.queued(s) or self.last_delay.get(s, 0.0) > self.targets[s]:
