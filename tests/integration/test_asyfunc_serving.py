@@ -75,6 +75,14 @@ def gauge(url: str, name: str, **labels) -> float | None:
     return _series(url, f"jaxserve_policy_{name}" + (f"{{{label}}}" if label else ""))
 
 
+def engine_heard_load(engine, block: str, wid: int, timeout_s: float = 30) -> bool:
+    """Whether the engine recorded ``block`` loaded on worker ``wid`` (and so told the policy)
+    within ``timeout_s``. The worker's metric turns 1 when the worker holds the block, a moment
+    before the engine's loop hears it: wait for the engine, the later of the two."""
+    return _until(lambda: any(label == block and w == wid for label, w, _ in list(engine.stats.stage_loads)),
+                  timeout_s=timeout_s)
+
+
 def test_a_burst_adds_a_shadow_splits_batches_answers_as_the_whole_model_and_releases_it(profile_path, cache_dir):
     with LiveServer(settings_for("asyfunc", profile_path, cache_dir)) as srv, \
             httpx.Client(base_url=srv.url, timeout=120) as c:
@@ -89,7 +97,7 @@ def test_a_burst_adds_a_shadow_splits_batches_answers_as_the_whole_model_and_rel
         # its block loads meanwhile (a Ray pool actor takes about a second, longer than the burst)
         block = f'jaxserve_worker_stage{{stage="{MODEL}[2:4]",worker="{sid}"}}'
         assert _until(lambda: _series(srv.url, block) == 1.0, timeout_s=120)
-        assert any(label == f"{MODEL}[2:4]" and wid == sid for label, wid, _ in engine.stats.stage_loads)
+        assert engine_heard_load(engine, f"{MODEL}[2:4]", sid)
         second = embeddings(c, SENTENCES)  # the next burst finds the pair ready
         assert gauge(srv.url, "asyfunc_split_batches") >= 1.0
         assert [d for d in engine.policy.decisions if d[1] == "add_shadow"] == shadows  # the same shadow
@@ -178,6 +186,7 @@ def shadow_ready(srv, block: str) -> int:
     sid = engine.policy.shadows()[0].id
     metric = f'jaxserve_worker_stage{{stage="{block}",worker="{sid}"}}'
     assert _until(lambda: _series(srv.url, metric) == 1.0, timeout_s=120)
+    assert engine_heard_load(engine, block, sid)
     return sid
 
 
