@@ -17,9 +17,12 @@ Decisions (where "capacity" and "calibration" need one):
   cell's measured traces: the ratio of each batch's reported compute time to the profile's
   price of its cell, and each batch's hand-off (``calibrate``). A cell is never calibrated on
   the traces it is scored on.
-- **Simulated arms.** ``empirical``: each batch priced profile(cell) x ratio + hand-off, one
-  pair drawn from the calibration batches of its batch size (``empirical_service``); this is
-  the arm the goal is judged on. ``log-normal``: the profile x the calibration's mean ratio,
+- **Simulated arms.** ``correlated``, the arm the goal is judged on (chosen before its first
+  run, since it keeps more of what was measured than the others): the calibration batches'
+  slow-downs replayed in the order they ran, in blocks (``correlated_service``), because live
+  slow batches come in runs. ``empirical``: each batch priced profile(cell) x ratio +
+  hand-off, one pair drawn independently from the calibration batches of its batch size
+  (``empirical_service``; the goal's arm until the runs were seen). ``log-normal``: the profile x the calibration's mean ratio,
   a log-normal spread of its sigma and its mean hand-off (what ``jaxserve simulate
   --latency-noise --batch-overhead-ms`` can reproduce). ``idle``: the bare profile. The
   calibrated arms' policies plan with the profile x the calibration's ratio, as the live
@@ -129,6 +132,33 @@ class Calibration:
     def handoff(self) -> float:
         return float(self.handoffs.mean())
 
+    def size_means(self) -> dict[int, float]:
+        """Mean ratio per batch size (the pooled mean for sizes with fewer than 20 batches)."""
+        pooled = float(self.ratios.mean())
+        return {int(b): float(self.ratios[self.sizes == b].mean()) if (self.sizes == b).sum() >= 20 else pooled
+                for b in np.unique(self.sizes)}
+
+    def slowness(self) -> np.ndarray:
+        """Each batch's ratio over its batch size's mean, in the order the batches finished."""
+        means = self.size_means()
+        return self.ratios / np.array([means[int(b)] for b in self.sizes])
+
+    @property
+    def lag1(self) -> float:
+        """Lag-1 autocorrelation of log slowness: how much one batch's slow-down carries to the next."""
+        z = np.log(self.slowness())
+        if len(z) < 3 or np.std(z) == 0:
+            return 0.0
+        return float(np.corrcoef(z[:-1], z[1:])[0, 1])
+
+    @property
+    def block(self) -> float:
+        """Mean block length for the correlated arm: the integrated autocorrelation time of an
+        AR(1) with this lag-1 coefficient, (1 + rho) / (1 - rho), at least 1 and at most a
+        quarter of the calibration's batches."""
+        rho = min(max(self.lag1, 0.0), 0.95)
+        return float(min(max((1 + rho) / (1 - rho), 1.0), max(len(self) / 4, 1.0)))
+
     def __len__(self) -> int:
         return len(self.ratios)
 
@@ -172,6 +202,32 @@ def empirical_service(cost, cal: Calibration, seed: int, model: str = "minilm-l6
         idx = by_size.get(batch.cell.batch, every)
         k = idx[rng.integers(len(idx))]
         return profile.latency(batch.cell) * cal.ratios[k] + cal.handoffs[k]
+
+    return service_time
+
+
+def correlated_service(cost, cal: Calibration, seed: int, model: str = "minilm-l6"):
+    """Price a batch as profile(cell) x mean ratio of its batch size x slowness + hand-off,
+    with (slowness, hand-off) read from the calibration's batches *in the order they ran*, by a
+    stationary bootstrap (Politis and Romano): each batch takes the next calibration batch's
+    pair, or with odds 1 / ``cal.block`` jumps to a random one. Slow batches come in runs live
+    (contention from the front end, the client and other processes lasts longer than one
+    batch); independent draws (``empirical_service``) scatter them, and queues in the
+    simulator drain between them. Batch size keeps its own mean ratio, since the slowness is
+    the part a batch's size does not explain."""
+    rng = np.random.default_rng(seed)
+    profile = cost.latency[model]
+    means = cal.size_means()
+    pooled = float(cal.ratios.mean())
+    slow = cal.slowness()
+    n = len(cal)
+    jump = 1.0 / cal.block
+    pos = [int(rng.integers(n))]
+
+    def service_time(batch):
+        k = pos[0]
+        pos[0] = int(rng.integers(n)) if rng.random() < jump else (k + 1) % n
+        return profile.latency(batch.cell) * means.get(batch.cell.batch, pooled) * slow[k] + cal.handoffs[k]
 
     return service_time
 
@@ -246,8 +302,9 @@ class ImageWorkload:
 
 # ----------------------------------------------------------------------------- one policy
 
-ARMS = (("empirical", "calibration batches drawn empirically"), ("lognormal", "log-normal fit + hand-off"),
-        ("idle", "idle-machine profile"))
+GOAL_ARM = "correlated"
+ARMS = (("correlated", "calibration batches in runs"), ("empirical", "calibration batches drawn independently"),
+        ("lognormal", "log-normal fit + hand-off"), ("idle", "idle-machine profile"))
 
 
 def rate_at_load(policy: str, planned: dict, cost, workload, load: float, seed: int) -> tuple[float, float]:
@@ -303,21 +360,23 @@ def run_policy(policy: str, model: str, args) -> list[dict]:
                                                    overhead=cal.handoff, seed=seed))
                 sims["empirical"].append(simulated(policy, planned, cost, trace, plan_cost=scaled,
                                                    service_time=empirical_service(cost, cal, seed + 7, model)))
+                sims["correlated"].append(simulated(policy, planned, cost, trace, plan_cost=scaled,
+                                                    service_time=correlated_service(cost, cal, seed + 7, model)))
                 live, extra = workload.live(url, trace, pick)
                 server_ms.append(live.server_ms)
                 client_ms.append(live.latencies * 1e3)
                 gammas.update(extra.get("gammas", {}))
                 dropped[0] += live.sent
                 dropped[1] += live.sent - live.ok - live.late
-                dropped[2] += sum(len(r) - int(r.completed().sum()) for r in sims["empirical"][-1:])
+                dropped[2] += sum(len(r) - int(r.completed().sum()) for r in sims[GOAL_ARM][-1:])
             cell = {"policy": policy, "model": model, "load": load, "rate": rate, "util": util,
                     "calibration": {"factor": cal.factor, "sigma": cal.sigma, "handoff_ms": cal.handoff * 1e3,
-                                    "batches": len(cal)},
+                                    "batches": len(cal), "lag1": cal.lag1, "block": cal.block},
                     "live": _stats(np.concatenate(server_ms)), "client": _stats(np.concatenate(client_ms)),
                     "sim": {k: _stats(np.concatenate([r.latencies() for r in v]) * 1e3) for k, v in sims.items()},
                     "requests": dropped[0], "live_dropped": dropped[1], "sim_dropped": dropped[2],
                     "live_gammas": dict(gammas),
-                    "sim_gammas": dict(Counter(int(g) for r in sims["empirical"] for g in r.cell_gamma[r.completed()]))}
+                    "sim_gammas": dict(Counter(int(g) for r in sims[GOAL_ARM] for g in r.cell_gamma[r.completed()]))}
             cells.append(cell)
             print(json.dumps(cell, default=float), flush=True)
     finally:
@@ -345,30 +404,35 @@ def report(cells: list[dict], args) -> tuple[str, str]:
     for c in cells:
         live = c["live"]
         errs = {k: (_err(c["sim"][k]["mean"], live["mean"]), _err(c["sim"][k]["p98"], live["p98"])) for k, _ in ARMS}
-        emp = errs["empirical"]
+        emp = errs[GOAL_ARM]
         bad = max(abs(emp[0]), abs(emp[1]))
         if worst is None or bad > worst[0]:
             worst = (bad, c, emp)
         cal = c["calibration"]
         row = [c["policy"], f"{c['load']:.0%}", f"{c['rate']:.1f}", f"x{cal['factor']:.2f}, {cal['sigma']:.2f}, "
-               f"{cal['handoff_ms']:.2f} ms", f"{live['mean']:.1f} / {live['p98']:.1f}",
-               f"{c['sim']['empirical']['mean']:.1f} / {c['sim']['empirical']['p98']:.1f}"]
+               f"{cal['handoff_ms']:.2f} ms", f"{cal['lag1']:+.2f}, {cal['block']:.1f}",
+               f"{live['mean']:.1f} / {live['p98']:.1f}",
+               f"{c['sim'][GOAL_ARM]['mean']:.1f} / {c['sim'][GOAL_ARM]['p98']:.1f}"]
         row += [f"{e[0]:+.1f}% / {e[1]:+.1f}%" for e in (errs[k] for k, _ in ARMS)]
         row += [f"{c['live_dropped']} / {c['sim_dropped']}", f"{c['client']['mean']:.1f} / {c['client']['p98']:.1f}"]
         if any(x["policy"] in IMAGE_POLICIES for x in cells):
             row.append(f"{_shares(c['live_gammas'])} / {_shares(c['sim_gammas'])}" if c["live_gammas"] else "-")
         rows.append(row)
-    header = ["policy", "load", "rate req/s", "calibration (ratio, sigma, hand-off)", "live mean / p98 ms",
+    header = ["policy", "load", "rate req/s", "calibration (ratio, sigma, hand-off)", "lag-1 autocorr., block",
+              "live mean / p98 ms",
               "sim mean / p98 ms", *(f"sim vs live: {label}" for _, label in ARMS), "dropped live / sim",
               "client mean / p98 ms"]
     if any(c["policy"] in IMAGE_POLICIES for c in cells):
         header.append("gamma shares live / sim")
-    met = sum(max(abs(_err(c["sim"]["empirical"][s], c["live"][s])) for s in ("mean", "p98")) <= 10 for c in cells)
+    met = sum(max(abs(_err(c["sim"][GOAL_ARM][s], c["live"][s])) for s in ("mean", "p98")) <= 10 for c in cells)
+    met_indep = sum(max(abs(_err(c["sim"]["empirical"][s], c["live"][s])) for s in ("mean", "p98")) <= 10
+                    for c in cells)
     bad, wc, we = worst
     image = next((c["model"] for c in cells if c["policy"] in IMAGE_POLICIES), None)
-    goal = (f"**Goal (within 10% on mean and p98 in every cell, empirical calibration): "
+    goal = (f"**Goal (within 10% on mean and p98 in every cell, calibration batches in runs): "
             f"{'met' if met == len(cells) else 'NOT met'} — {met}/{len(cells)} cells; worst cell {wc['policy']} at "
-            f"{wc['load']:.0%}: {we[0]:+.1f}% / {we[1]:+.1f}%.**")
+            f"{wc['load']:.0%}: {we[0]:+.1f}% / {we[1]:+.1f}%.** The same batches drawn independently: "
+            f"{met_indep}/{len(cells)} cells.")
     notes = (f"{goal}  \nEach cell: a Poisson trace at the rate that keeps the simulated instance busy the load's "
              f"share of the time (idle profile, the policy itself choosing), {args.repeats} measured traces of "
              f"{args.duration:.0f} s (text) / {args.image_duration:.0f} s (image) pooled, after a calibration trace "
@@ -377,9 +441,12 @@ def report(cells: list[dict], args) -> tuple[str, str]:
              f"{image or '-'} (batch {','.join(map(str, IMAGE_BATCHES))} x its OTAS gammas; tight / loose requests "
              f"as the script's docstring says). Latency is the engine's server-side latency of answered "
              f"requests (arrival to answer, HTTP excluded); 'dropped' counts requests without an answer in time "
-             f"(evicted, 429) live and in the empirical simulation. Sim vs live: (sim - live) / live. Arms: "
-             f"empirical (each batch's measured/profiled ratio and hand-off drawn from the calibration batches of "
-             f"its batch size; the goal's arm), log-normal (one ratio, its sigma and the mean hand-off: what "
+             f"(evicted, 429) live and in the goal's simulation. Sim vs live: (sim - live) / live. Arms: "
+             f"in runs (the goal's arm, `correlated_service`: each batch's slowness over its batch size's mean "
+             f"ratio, and its hand-off, read in the order the calibration's batches ran, jumping to a random "
+             f"batch with odds 1 / block, block = (1 + lag-1) / (1 - lag-1) of the log slowness), "
+             f"independent (each batch's measured/profiled ratio and hand-off drawn at random from the "
+             f"calibration batches of its batch size), log-normal (one ratio, its sigma and the mean hand-off: what "
              f"`jaxserve simulate --latency-noise --batch-overhead-ms` reproduces) and the bare idle-machine "
              f"profile. Arlo reports 4.3% (mean) and 2.6% (p98).")
     return table(header, rows), notes

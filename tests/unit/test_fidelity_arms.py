@@ -1,0 +1,72 @@
+"""bench/fidelity.py's simulated arms on hand-made calibrations: the correlated arm keeps the
+order of the slow-downs it replays (runs stay runs), the independent arm scatters them, and
+both keep each batch size's mean ratio. Expectations are worked from the calibrations."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bench.fidelity import Calibration, correlated_service, empirical_service
+from jaxserve.sched.base import Batch, Cell, CostModel, LatencyProfile
+
+MODEL = "m"
+COST = CostModel({MODEL: LatencyProfile(MODEL, {Cell(1, 64): 0.010, Cell(4, 64): 0.030})})
+
+
+def calibration(ratios, sizes, handoffs=None) -> Calibration:
+    ratios = np.asarray(ratios, float)
+    handoffs = np.zeros_like(ratios) if handoffs is None else np.asarray(handoffs, float)
+    return Calibration(ratios, handoffs, np.asarray(sizes), float(ratios.mean()))
+
+
+def runs_of(slow_then_fast: int, n: int) -> np.ndarray:
+    """n batches alternating runs of ``slow_then_fast`` slow (x2) and as many fast (x1) ones."""
+    return np.array([2.0 if (k // slow_then_fast) % 2 == 0 else 1.0 for k in range(n)])
+
+
+def draws(service, cell: Cell, n: int) -> np.ndarray:
+    batch = Batch(tuple(range(cell.batch)), MODEL, cell, 0)
+    return np.array([service(batch) for _ in range(n)])
+
+
+def lag1(x: np.ndarray) -> float:
+    return float(np.corrcoef(x[:-1], x[1:])[0, 1])
+
+
+def test_lag1_and_block_follow_the_calibration_order():
+    runs = calibration(runs_of(10, 400), [1] * 400)
+    # 10-long runs: 9 of every 10 neighbours agree, so the lag-1 correlation of +-a is 0.8
+    assert abs(runs.lag1 - 0.8) < 0.02
+    assert abs(runs.block - (1 + runs.lag1) / (1 - runs.lag1)) < 1e-9
+    alternating = calibration(runs_of(1, 400), [1] * 400)
+    assert alternating.lag1 < -0.99 and alternating.block == 1.0  # negative: no runs to keep
+    tiny = calibration(runs_of(10, 8), [1] * 8)
+    assert tiny.block <= 2.0  # at most a quarter of the batches
+
+
+def test_correlated_draws_keep_runs_and_independent_draws_do_not():
+    cal = calibration(runs_of(20, 400), [1] * 400)
+    cell = Cell(1, 64)
+    corr = draws(correlated_service(COST, cal, seed=0, model=MODEL), cell, 4000)
+    indep = draws(empirical_service(COST, cal, seed=0, model=MODEL), cell, 4000)
+    assert lag1(corr) > 0.6
+    assert abs(lag1(indep)) < 0.1
+    # both keep the mean: slow and fast halves, 0.010 s x 1.5 on average
+    for x in (corr, indep):
+        assert abs(x.mean() - 0.015) < 0.0015
+        assert set(np.round(x, 9)) == {0.01, 0.02}
+
+
+def test_a_batch_size_keeps_its_own_mean_ratio_and_the_hand_off_travels_with_its_batch():
+    # 40 batches of 1 at ratio 1.0-ish, 40 of 4 at 3.0-ish, interleaved; hand-off 1 ms on the 4s
+    sizes = [1, 4] * 40
+    ratios = [1.0 if b == 1 else 3.0 for b in sizes]
+    handoffs = [0.0 if b == 1 else 0.001 for b in sizes]
+    cal = calibration(ratios, sizes, handoffs)
+    assert cal.size_means() == {1: 1.0, 4: 3.0}
+    np.testing.assert_allclose(cal.slowness(), 1.0)
+    service = correlated_service(COST, cal, seed=1, model=MODEL)
+    small, big = draws(service, Cell(1, 64), 200), draws(service, Cell(4, 64), 200)
+    # the price is the size's own mean ratio x slowness 1, plus whichever batch's hand-off came up
+    assert set(np.round(small, 9)) <= {0.010, 0.011}
+    assert set(np.round(big, 9)) <= {0.090, 0.091}
