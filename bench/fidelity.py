@@ -24,9 +24,10 @@ Decisions (where "capacity" and "calibration" need one):
   hand-off, one pair drawn independently from the calibration batches of its batch size
   (``empirical_service``; the goal's arm until the runs were seen). ``log-normal``: the profile x the calibration's mean ratio,
   a log-normal spread of its sigma and its mean hand-off (what ``jaxserve simulate
-  --latency-noise --batch-overhead-ms`` can reproduce). ``idle``: the bare profile. The
-  calibrated arms' policies plan with the profile x the calibration's ratio, as the live
-  server's policy does once its price correction (``CostDrift``) has seen a few steps.
+  --latency-noise --batch-overhead-ms`` can reproduce), its policy planning with the profile x
+  the calibration's ratio. ``idle``: the bare profile. The ``correlated`` and ``empirical``
+  arms' policies plan with the prices the live server's own price correction (``CostDrift``)
+  holds after the calibration's batches (``live_prices``): per cell, as live.
 - **The image model** is DINOv2 ViT-S/14 (``--image-model``): a batch takes hundreds of ms
   here, so the engine, not the HTTP front end, sets its capacity, which is what the simulator
   models. The demo ViT computes a batch in a few ms: at 30% of its engine's capacity the
@@ -123,6 +124,7 @@ class Calibration:
     handoffs: np.ndarray  # seconds an instance stayed held beyond the compute
     sizes: np.ndarray  # batch sizes
     factor: float  # total measured over total profiled compute time
+    cells: tuple = ()  # each batch's Cell, in the order the batches finished
 
     @property
     def sigma(self) -> float:
@@ -174,16 +176,31 @@ def calibrate(cost, computed, model: str = "minilm-l6") -> Calibration:
       service-time variance, which a deterministic profile leaves out);
     - hand-off: how long an instance stays held beyond its compute (worker pick-up, the
       completion waiting for the event loop), the simulator's batch_overhead."""
-    by_label = {c.label(): t for c, t in cost.latency[model].seconds.items()}
+    seconds = cost.latency[model].seconds
+    cell_of = {c.label(): c for c in seconds}
     batches = {}
     for shape, ms, held_ms in computed:
         batches.setdefault((shape, ms), held_ms)
-    profiled = np.array([by_label[shape] for shape, _ in batches])
+    cells = tuple(cell_of[shape] for shape, _ in batches)
+    profiled = np.array([seconds[c] for c in cells])
     measured = np.array([ms for _, ms in batches]) / 1e3
     held = np.array(list(batches.values())) / 1e3
-    return Calibration(measured / profiled, np.maximum(held - measured, 0.0),
-                       np.array([int(shape.split("_")[0][1:]) for shape, _ in batches]),
-                       float(measured.sum() / profiled.sum()))
+    return Calibration(measured / profiled, np.maximum(held - measured, 0.0), np.array([c.batch for c in cells]),
+                       float(measured.sum() / profiled.sum()), cells)
+
+
+def live_prices(cost, cal: Calibration, model: str = "minilm-l6"):
+    """The prices the live server's policy plans with after the calibration trace: a
+    ``CostDrift`` (the engine's own price correction) fed the calibration's batches in the order
+    they ran, corrected cost model out (per cell where a cell had its ``min_samples`` steps,
+    else the model's ratio). A uniform ``cost.scaled(factor)`` misses that the correction is
+    per cell: OTAS's gamma choice turns on the ratios between its cells."""
+    from jaxserve.cost_drift import CostDrift
+
+    drift = CostDrift(cost)
+    for cell, ratio in zip(cal.cells, cal.ratios):
+        drift.observe(model, cell, float(cost.latency[model].seconds[cell] * ratio))
+    return drift.corrected()
 
 
 def empirical_service(cost, cal: Calibration, seed: int, model: str = "minilm-l6"):
@@ -350,6 +367,7 @@ def run_policy(policy: str, model: str, args) -> list[dict]:
                                                  * (args.image_duration / args.duration if image else 1.0))
             cal = calibrate(cost, workload.live(url, cal_trace, cal_pick)[0].computed, model)
             scaled = cost.scaled(cal.factor)
+            planned_prices = live_prices(cost, cal, model)
             sims = {k: [] for k, _ in ARMS}
             server_ms, client_ms, gammas, dropped = [], [], Counter(), [0, 0, 0]
             for k in range(args.repeats):
@@ -358,9 +376,9 @@ def run_policy(policy: str, model: str, args) -> list[dict]:
                 sims["idle"].append(simulated(policy, planned, cost, trace))
                 sims["lognormal"].append(simulated(policy, planned, scaled, trace, noise=cal.sigma,
                                                    overhead=cal.handoff, seed=seed))
-                sims["empirical"].append(simulated(policy, planned, cost, trace, plan_cost=scaled,
+                sims["empirical"].append(simulated(policy, planned, cost, trace, plan_cost=planned_prices,
                                                    service_time=empirical_service(cost, cal, seed + 7, model)))
-                sims["correlated"].append(simulated(policy, planned, cost, trace, plan_cost=scaled,
+                sims["correlated"].append(simulated(policy, planned, cost, trace, plan_cost=planned_prices,
                                                     service_time=correlated_service(cost, cal, seed + 7, model)))
                 live, extra = workload.live(url, trace, pick)
                 server_ms.append(live.server_ms)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.fidelity import Calibration, correlated_service, empirical_service
+from bench.fidelity import Calibration, correlated_service, empirical_service, live_prices
 from jaxserve.sched.base import Batch, Cell, CostModel, LatencyProfile
 
 MODEL = "m"
@@ -16,7 +16,7 @@ COST = CostModel({MODEL: LatencyProfile(MODEL, {Cell(1, 64): 0.010, Cell(4, 64):
 def calibration(ratios, sizes, handoffs=None) -> Calibration:
     ratios = np.asarray(ratios, float)
     handoffs = np.zeros_like(ratios) if handoffs is None else np.asarray(handoffs, float)
-    return Calibration(ratios, handoffs, np.asarray(sizes), float(ratios.mean()))
+    return Calibration(ratios, handoffs, np.asarray(sizes), float(ratios.mean()), tuple(Cell(b, 64) for b in sizes))
 
 
 def runs_of(slow_then_fast: int, n: int) -> np.ndarray:
@@ -70,3 +70,16 @@ def test_a_batch_size_keeps_its_own_mean_ratio_and_the_hand_off_travels_with_its
     # the price is the size's own mean ratio x slowness 1, plus whichever batch's hand-off came up
     assert set(np.round(small, 9)) <= {0.010, 0.011}
     assert set(np.round(big, 9)) <= {0.090, 0.091}
+
+
+def test_live_prices_correct_each_cell_by_its_own_ratio_once_it_has_eight_steps():
+    # 20 batches of 1 at x2, then 5 of 4 at x3: the 1s' cell has its own ratio; the 4s' cell,
+    # with fewer than 8 steps, falls back to the model's running ratio (alpha 0.05, log space)
+    cal = calibration([2.0] * 20 + [3.0] * 5, [1] * 20 + [4] * 5)
+    prices = live_prices(COST, cal, MODEL).latency[MODEL]
+    assert abs(prices.latency(Cell(1, 64)) - 0.020) < 1e-12
+    mean = 0.0
+    for n, r in enumerate([2.0] * 20 + [3.0] * 5, start=1):
+        mean += max(0.05, 1 / n) * (np.log(r) - mean)
+    assert abs(prices.latency(Cell(4, 64)) - 0.030 * np.exp(mean)) < 1e-12
+    assert 2.0 < np.exp(mean) < 3.0
