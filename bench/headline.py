@@ -345,7 +345,7 @@ def _abandon_sim(a):
             f"{len(others)} it predicts (keep, clients' `slo_ms`, server `--slo-ms`)")
 
 
-FIDELITY_EMP = "sim vs live: calibration batches drawn empirically"
+FIDELITY_EMP = "sim vs live: calibration batches in runs"  # the goal's arm
 
 
 def _fidelity(f):
@@ -355,8 +355,8 @@ def _fidelity(f):
     m = f.rx(r"(\d+)/(\d+) cells; worst cell (\S+) at (\d+%): ([^*]+?)\.\*\*")
     idle = [max(abs(float(x.strip().rstrip("%"))) for x in r["sim vs live: idle-machine profile"].split("/"))
             for r in rows]
-    return (f"{m.group(1)} of {m.group(2)} cells within 10% with batch times drawn from each cell's calibration "
-            f"trace; worst {m.group(3)} at {m.group(4)}: {m.group(5)}; the bare idle-machine profile is "
+    return (f"{m.group(1)} of {m.group(2)} cells within 10% with batch times replayed from each cell's "
+            f"calibration trace; worst {m.group(3)} at {m.group(4)}: {m.group(5)}; the bare idle-machine profile is "
             f"{min(idle):.0f}–{max(idle):.0f}% off (worse of mean and p98, per cell)")
 
 
