@@ -273,14 +273,16 @@ def _block_meta(cache: CompileCache | None, block: Stage, precision: str) -> dic
 
 def load_text_block(model: str, block: Stage, grid, cache: CompileCache | None, *, precision: str = "f32",
                     tune: bool = False, prime: bool = True, heads_dir: str | None = None,
-                    prepared: PreparedBlock | None = None) -> StageRuntime:
+                    prepared: PreparedBlock | None = None, params: Any = None) -> StageRuntime:
     """Only ``block`` of the text model ``model``: its stage table (``prepared``'s, else warmed
     from ``cache`` now: :func:`prepare_text_block`) and its parameters; the parent it hangs on
     holds no table and no weights, only what a stage borrows (tokenizer for a first block; for a
     last one the task heads, read from ``heads_dir``, None: the shipped ones, and re-read by its
     ``read_assets`` on a reload). What a pool worker loads (§3.4).
 
-    The parameters come from the block's own checkpoint in the cache
+    The parameters are ``params`` when given (the block's arrays as its checkpoint holds them,
+    already on the device: what a QUART replica took from its node's parameter cache,
+    :mod:`jaxserve.quart_exec`); else they come from the block's own checkpoint in the cache
     (:func:`write_block_checkpoint`, which a server's start writes) when its record is intact:
     only the block's bytes are read. Else the whole model is read and sliced."""
     from jaxserve.keys_manager import load_stage_params, state_from_params
@@ -296,7 +298,9 @@ def load_text_block(model: str, block: Stage, grid, cache: CompileCache | None, 
         prepared = prepare_text_block(block, grid, cache, precision=precision, tune=tune, prime=prime)
     cfg, table = prepared.cfg, prepared.table
     abstract = table.servable.abstract_state
-    if _block_meta(cache, block, precision) is not None:
+    if params is not None:
+        weights = state_from_params(abstract, params)
+    elif _block_meta(cache, block, precision) is not None:
         weights = state_from_params(abstract, load_stage_params(block_dir(cache.root, block, precision)))
     else:
         _, module, _ = load_text_model(model)

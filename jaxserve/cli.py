@@ -43,6 +43,7 @@ from jaxserve.launch import (
     simulate_quart,
     simulated_models,
     with_asyfunc,
+    with_quart,
 )
 from jaxserve.models.bert import load_hf_bert
 from jaxserve.models.precision import PRECISIONS
@@ -129,6 +130,13 @@ def cmd_warmup(args) -> int:
             stages = ()
             if "asyfunc" in settings.extra:
                 stages = [s for s in settings.extra["asyfunc"]["model"].body_stages() if not s.whole]
+            elif args.policy == "quart":
+                from jaxserve.quart_exec import even_stages  # (its Ray half only where ray is installed)
+
+                try:
+                    stages = even_stages(name, rt.num_layers, args.quart_stages)
+                except ValueError as exc:
+                    raise CliError(f"--quart-stages: {exc}") from None
             elif args.stages:
                 try:
                     stages = split_stages(name, rt.num_layers, args.stages)
@@ -138,12 +146,14 @@ def cmd_warmup(args) -> int:
                 built = build_stage_runtimes(rt, stages, cache, progress=settings.progress, tune=settings.tune,
                                              stop=stop)
                 tables.update({stage.label(): srt.table for stage, srt in built.items()})
-                if "asyfunc" in settings.extra:  # and each shadow block's own checkpoint
-                    from jaxserve.asyfunc_exec import write_block_checkpoint
+                from jaxserve.asyfunc_exec import write_block_checkpoint
 
-                    for split in settings.extra["asyfunc"]["model"].splits:
-                        path, written = write_block_checkpoint(built[split.block], cache.root, settings.precision)
-                        print(f"{split.block.label()}: checkpoint {'written' if written else 'up to date'} ({path})")
+                # and each shadow block's (AsyFunc) or stage's (QUART) own checkpoint, what their workers read
+                own = [split.block for split in settings.extra["asyfunc"]["model"].splits] \
+                    if "asyfunc" in settings.extra else stages if args.policy == "quart" else []
+                for block in own:
+                    path, written = write_block_checkpoint(built[block], cache.root, settings.precision)
+                    print(f"{block.label()}: checkpoint {'written' if written else 'up to date'} ({path})")
     for name, table in tables.items():
         sources = {}
         for s in table.stats.values():
@@ -316,7 +326,7 @@ def cmd_serve(args) -> int:
 
     if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
         raise CliError("--ssl-certfile and --ssl-keyfile go together: HTTPS needs both")
-    if args.policy in QUART_POLICIES:  # before binding and warming
+    if args.policy in QUART_POLICIES and args.policy != "quart":  # before binding and warming
         raise CliError(QUART_NOT_LIVE)
     for family, only in ((TEXT_STREAM_POLICIES, "minilm-l6"), (IMAGE_POLICIES, _image_model(args))):
         if args.policy in family and _models(args) != (only,):  # before binding and warming, not after
@@ -335,7 +345,13 @@ def cmd_serve(args) -> int:
         workers=args.workers, ray_address=args.ray_address, worker_cpus=args.worker_cpus,
         worker_gpus=args.worker_gpus, layer_profile=args.layer_profile, asyfunc_period_s=args.asyfunc_period_s,
         asyfunc_body_cores=args.body_cores, asyfunc_node_cores=args.node_cores,
+        quart_stages=args.quart_stages, quart_period_s=args.quart_period_s, quart_cache=args.quart_cache == "on",
     )
+    if args.policy in QUART_POLICIES:  # before binding and warming: its model, stages and workers
+        try:
+            with_quart(settings)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     if args.policy in ASYFUNC_POLICIES:  # before binding and warming: the model and its layer profile
         try:
             make_asyfunc_policy(with_asyfunc(settings), {})
@@ -751,6 +767,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--layer-profile", type=_existing_file, default=None,
                     help="--policy asyfunc*: the layer profile (default: the one next to the cache's cost "
                          "model); warmup then compiles its grid and every stage its bodies hold")
+    sp.add_argument("--quart-stages", type=POSITIVE_INT, default=3,
+                    help="--policy quart: compile the model cut into this many stages of equal layers, and "
+                         "write each stage's checkpoint (what its replicas read)")
     sp.set_defaults(fn=cmd_warmup)
 
     sp = sub.add_parser("serve", help="start the HTTP server")
@@ -821,6 +840,13 @@ def main(argv: list[str] | None = None) -> int:
                          "the most efficient configuration; asyfunc-batch: the largest)")
     sp.add_argument("--node-cores", type=POSITIVE_INT, default=None,
                     help="asyfunc*: cores bodies and shadows may hold in all (default: this machine's)")
+    sp.add_argument("--quart-stages", type=POSITIVE_INT, default=3,
+                    help="quart: stages of equal layers the model is cut into, one Ray worker each at start "
+                         "(--instances: the most workers the policy may run)")
+    sp.add_argument("--quart-period-s", type=POSITIVE, default=1.0, help="quart: control period")
+    sp.add_argument("--quart-cache", choices=("on", "off"), default="on",
+                    help="quart: new replicas from the warm pool worker and the node's parameter cache (on), "
+                         "or fresh actors reading the stage's checkpoint (off)")
     sp.add_argument("--tome-gamma", type=int, default=None, help="tome: its fixed gamma (default: the most negative)")
     sp.add_argument("--vpt-gamma", type=int, default=None, help="vpt: its fixed gamma (default 2)")
     sp.set_defaults(fn=cmd_serve)

@@ -462,8 +462,11 @@ def keys_manager(node_id: str | None = None, namespace: str = "jaxserve", **opti
     """The KeysManager actor of ``node_id`` (default: this process's node), started on that
     node if there is none (``options``: :class:`KeysManager`'s arguments, used only then).
     Named ``jaxserve-keys-manager-<node id>`` in ``namespace``: every process of the cluster
-    asking for that node's finds the same one. Not detached: it lives as long as the job
-    that started it (and its entries with it)."""
+    asking for that node's finds the same one. Not detached: Ray collects it (and its entries)
+    once the process that started it holds no handle to it or ends, so whoever starts it keeps
+    the handle for as long as the cache should live (a QUART server:
+    :attr:`jaxserve.quart_exec.QuartRayWorkers.manager`); a process that only finds it may drop
+    its handle freely."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node_id = node_id or _node_id()

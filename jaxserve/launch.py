@@ -96,6 +96,13 @@ class ServeSettings:
     asyfunc_period_s: float = 60.0
     asyfunc_body_cores: int | None = None
     asyfunc_node_cores: int | None = None
+    # QUART (--policy quart; jaxserve/sched/quart.py, jaxserve/quart_exec.py): the text model cut
+    # into this many stages of equal layers, one Ray worker each at start (`instances` is the most
+    # workers the policy may run), the control period, and the parameter cache (warm pool worker
+    # and the KeysManager) on or off
+    quart_stages: int = 3
+    quart_period_s: float = 1.0
+    quart_cache: bool = True
 
 
 def load_runtimes(settings: ServeSettings, cache: CompileCache | None,
@@ -206,7 +213,7 @@ def make_policy(settings: ServeSettings, models: Mapping[str, Any], cost: CostMo
     if settings.policy in ASYFUNC_POLICIES:
         return make_asyfunc_policy(settings, grids)
     if settings.policy in QUART_POLICIES:
-        raise ValueError(QUART_NOT_LIVE)
+        return make_quart_policy(settings, grids, cost)
     raise ValueError(f"unknown policy {settings.policy!r}; known: {', '.join(SERVE_POLICIES)}")
 
 
@@ -383,7 +390,7 @@ def build_engine(settings: ServeSettings, stop: Callable[[], bool] | None = None
     ``stop`` is asked before each cell (compile, profile, first run): True raises
     ``WarmupCancelled``, so a server shut down while it warms exits within a cell."""
     start_workers_runtime(settings)  # a no-op when the caller started it (serving.server.build_app does)
-    settings = with_asyfunc(with_cascade(settings))
+    settings = with_quart(with_asyfunc(with_cascade(settings)))
     cache = CompileCache(settings.cache_dir) if settings.cache_dir else None
     runtimes = load_runtimes(settings, cache, stop)
     cost_path = Path(settings.cost_model) if settings.cost_model else (
@@ -393,6 +400,8 @@ def build_engine(settings: ServeSettings, stop: Callable[[], bool] | None = None
     catalog = None
     if settings.policy in ASYFUNC_POLICIES:
         workers, factory, catalog = make_asyfunc_workers(settings, runtimes, policy, cache, stop)
+    elif settings.policy in QUART_POLICIES:
+        workers, factory, catalog = make_quart_workers(settings, runtimes, cache, stop)
     else:
         workers, factory = make_workers(settings, runtimes)
     default_slo_ms = settings.slo_ms
@@ -694,10 +703,95 @@ def simulate_cascade(policy: str, task: str, arrivals, *, seed: int = 0, instanc
             "requests": len(trace)}
 
 
-QUART_NOT_LIVE = ("--policy quart (and quart-infless, quart-inferline, quart-cocktail) runs in simulation only: "
-                  "`jaxserve simulate --policy quart`. Live stage workers scaled by the policy, the KeysManager "
-                  "parameter cache in Ray's object store and its placement are not wired into the server yet "
-                  "(issue 20)")
+QUART_NOT_LIVE = ("--policy quart-infless, quart-inferline and quart-cocktail (QUART's baselines) run in simulation "
+                  "only: `jaxserve simulate --policy P`; live, --policy quart serves a pipeline with its parameter "
+                  "cache on or off (--quart-cache off)")
+
+
+def with_quart(settings: ServeSettings) -> ServeSettings:
+    """``settings`` for a live QUART pipeline: its one BERT-family text model cut into
+    ``quart_stages`` stages of equal layers (:func:`jaxserve.quart_exec.even_stages`), kept in
+    ``extra["quart"]["stages"]``, so warmup compiles those stages. Other policies' settings are
+    returned as they are. ValueError with the reason: a baseline (simulation only), not one
+    BERT-family text model, not Ray workers (the parameter cache is Ray's object store), fewer
+    ``instances`` (worker slots) than stages."""
+    if settings.policy not in QUART_POLICIES:
+        return settings
+    if settings.policy != "quart":
+        raise ValueError(QUART_NOT_LIVE)
+    from jaxserve.models.bert import BERT_CONFIGS
+    from jaxserve.quart_exec import even_stages
+
+    if len(settings.models) != 1 or settings.models[0] not in registry.TEXT_MODELS \
+            or settings.models[0] not in BERT_CONFIGS:
+        raise ValueError(f"--policy quart serves exactly one BERT-family text model live (--model minilm-l6); got "
+                         f"{', '.join(settings.models)}")
+    if settings.workers != "ray":
+        raise ValueError("--policy quart runs its stages on Ray workers, whose nodes keep the parameter cache: "
+                         "--workers ray")
+    name = settings.models[0]
+    stages = even_stages(name, BERT_CONFIGS[name].num_layers, settings.quart_stages)
+    if settings.instances < len(stages):
+        raise ValueError(f"--policy quart: {len(stages)} stages need --instances (worker slots) >= {len(stages)}, "
+                         f"got {settings.instances}")
+    return dataclasses.replace(settings, extra={**settings.extra, "quart": {"stages": stages}})
+
+
+def make_quart_policy(settings: ServeSettings, grids: Mapping[str, ShapeGrid], cost: CostModel):
+    """QUART over the stages :func:`with_quart` cut, live: one server (this node) with
+    ``instances`` worker slots, one worker per stage at start (ids in chain order), each
+    stage priced at its share of the whole model's profile (``stage_cost_model``, as
+    ``jaxserve simulate --policy quart`` prices them), the SLO ``--slo-ms`` (default: 2x the
+    whole model's profiled batch-1 time at its longest bucket, the factor quart_sim plans
+    with), the Ray hop between stages, the control period ``quart_period_s``. With the cache
+    on, the policy's model of it starts holding every stage (each stage worker's first load
+    caches it); off, every new replica loads from disk."""
+    from jaxserve.sched import quart as q
+
+    stages = (settings.extra.get("quart") or with_quart(settings).extra["quart"])["stages"]
+    name = stages[0].model
+    stage_cost = q.stage_cost_model(cost, name, stages)
+    mb = quart_stage_megabytes(name, stages)
+    servers = [q.Server(0, settings.instances)]
+    cache = q.ParameterCache(servers)
+    if settings.quart_cache:
+        for s in stages:
+            cache.insert(0, s, mb[s])
+    grid = grids[name]
+    slo = settings.slo_ms / 1e3 if settings.slo_ms else 2 * cost.latency[name].latency_for(1, grid.max_length)
+    return q.QuartPolicy({name: stages}, {name: grid}, stage_cost, servers, {i: 0 for i in range(len(stages))}, mb,
+                         slo_s=slo, hop_s=RAY_HOP_S, cache=cache, use_cache=settings.quart_cache,
+                         period=settings.quart_period_s, max_replicas=settings.instances,
+                         max_queue=settings.max_queue)
+
+
+def make_quart_workers(settings: ServeSettings, runtimes: Mapping[str, ModelRuntime], cache,
+                       stop: Callable[[], bool] | None = None):
+    """(workers, factory, catalog) of a live QUART pipeline: every stage built here first,
+    compiled or loaded from the compile cache (what the replicas' actors then load), its own
+    checkpoint written into the cache if missing or stale (what they read on a cache miss, and
+    what the KeysManager caches), then one Ray stage worker per stage
+    (:class:`~jaxserve.quart_exec.QuartRayWorkers`)."""
+    from jaxserve.asyfunc_exec import write_block_checkpoint
+    from jaxserve.quart_exec import QuartRayWorkers
+    from jaxserve.ray_workers import WorkerSpec
+    from jaxserve.stages import build_stage_runtimes
+
+    if cache is None:
+        raise ValueError("--policy quart needs a compile cache (--cache-dir): its stage replicas load from it")
+    (name, parent), = runtimes.items()
+    stages = settings.extra["quart"]["stages"]
+    runners = build_stage_runtimes(parent, stages, cache, progress=settings.progress, tune=settings.tune, stop=stop)
+    for runner in runners.values():
+        write_block_checkpoint(runner, cache.root, settings.precision)
+
+    def catalog(stage):
+        if stage not in runners:
+            raise KeyError(f"no runner for {stage.label()}: not a stage of the QUART pipeline")
+        return runners[stage]
+
+    factory = QuartRayWorkers(WorkerSpec.from_settings(settings), stages, use_cache=settings.quart_cache)
+    return factory.initial(stages), factory, catalog
 
 
 def quart_stage_megabytes(model: str, stages) -> dict:

@@ -516,6 +516,37 @@ def test_asyfunc_simulates_and_warms_up_and_serve_checks_its_layer_profile_first
     assert out.returncode == 2 and "profile --layers" in out.stderr, out.stderr[-2000:]
 
 
+def test_quart_warms_its_stages_and_their_checkpoints_and_serve_checks_its_settings_first(tmp_path, capsys):
+    """serve --policy quart refuses, before any warmup, thread workers, too few --instances for
+    its stages and a baseline (simulation only); warmup --policy quart compiles the model cut into
+    --quart-stages stages and writes each stage's checkpoint, what its replicas read."""
+    from jaxserve.cli import main
+    from jaxserve.compile_cache import compile_count
+
+    before = compile_count()
+    cache = str(tmp_path / "cache")
+    base = ["serve", "--model", "minilm-l6", "--cache-dir", cache]
+    assert main([*base, "--policy", "quart", "--instances", "4"]) == 2
+    assert "--workers ray" in capsys.readouterr().err
+    assert main([*base, "--policy", "quart", "--workers", "ray", "--instances", "2"]) == 2
+    assert ">= 3" in capsys.readouterr().err
+    assert main([*base, "--policy", "quart-inferline", "--workers", "ray", "--instances", "4"]) == 2
+    assert "simulation only" in capsys.readouterr().err
+    assert compile_count() == before
+    out = run("warmup", "--policy", "quart", "--quart-stages", "2", "--model", "minilm-l6", "--batch-sizes", "1,2",
+              "--buckets", "16", "--no-tune", "--cache-dir", cache)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for label in ("minilm-l6[0:3]", "minilm-l6[3:6]"):
+        assert f"{label}: 2 executables" in out.stdout, out.stdout
+        assert f"{label}: checkpoint written" in out.stdout, out.stdout
+    again = run("warmup", "--policy", "quart", "--quart-stages", "2", "--model", "minilm-l6", "--batch-sizes", "1,2",
+                "--buckets", "16", "--no-tune", "--cache-dir", cache)
+    assert "minilm-l6[3:6]: checkpoint up to date" in again.stdout and "2 executables (2 serialized)" in again.stdout
+    bad = run("warmup", "--policy", "quart", "--quart-stages", "9", "--model", "minilm-l6", "--batch-sizes", "1",
+              "--buckets", "16", "--no-tune", "--cache-dir", cache)
+    assert bad.returncode == 2 and "2 to 6 stages" in bad.stderr
+
+
 def test_simulate_runs_the_cascade_policies_on_the_shipped_profile():
     """`simulate --policy tabi|tabi-*` replays the small models' real test outputs through the pure
     policy: Tabi answers some requests at the first level, the large model alone none early, and

@@ -13,7 +13,7 @@ from jaxserve.sched.quart import (PID, CocktailLike, CpuCompensator, CvPropagati
                                   LoadModel, ParameterCache, QuartPolicy, Server, choose_server, cut_stages,
                                   erlang_c, fit_linear, kl_to_uniform, mmc_delay, mmc_wait, replicas_for,
                                   smooth_allocation, smoothing_beta)
-from jaxserve.simulator import OUTCOMES, simulate
+from jaxserve.simulator import simulate
 from jaxserve.traces import make_trace
 
 
@@ -270,9 +270,38 @@ def test_simulate_quart_variants_from_a_whole_model_profile(variant):
     assert max(sum(r) for _, r in policy.replica_log) <= 16
 
 
-def test_serve_refuses_quart_with_the_reason():
-    from jaxserve.launch import QUART_NOT_LIVE, ServeSettings, make_policy
+@pytest.mark.parametrize("settings, reason", [
+    (dict(policy="quart-infless", workers="ray", models=("minilm-l6",), instances=4), "simulation only"),
+    (dict(policy="quart-cocktail", workers="ray", models=("minilm-l6",), instances=4), "simulation only"),
+    (dict(policy="quart", workers="thread", models=("minilm-l6",), instances=4), "--workers ray"),
+    (dict(policy="quart", workers="ray", models=("vit-demo",), instances=4), "BERT-family text model"),
+    (dict(policy="quart", workers="ray", models=("minilm-l6", "vit-demo"), instances=4), "exactly one"),
+    (dict(policy="quart", workers="ray", models=("minilm-l6",), instances=2), "--instances .* >= 3"),
+    (dict(policy="quart", workers="ray", models=("minilm-l6",), instances=8, quart_stages=7), "2 to 6 stages"),
+])
+def test_serve_refuses_what_quart_cannot_serve_live_with_the_reason(settings, reason):
+    from jaxserve.launch import ServeSettings, make_policy
 
-    with pytest.raises(ValueError, match="simulation only"):
-        make_policy(ServeSettings(policy="quart"), {}, CostModel({}))
-    assert "issue 20" in QUART_NOT_LIVE
+    with pytest.raises(ValueError, match=reason):
+        make_policy(ServeSettings(**settings), {}, CostModel({}))
+
+
+def test_live_quart_cuts_even_stages_one_worker_each_on_one_server_caching_each():
+    from jaxserve.launch import ServeSettings, make_policy, with_quart
+
+    settings = with_quart(ServeSettings(policy="quart", workers="ray", models=("minilm-l6",), instances=5,
+                                        quart_period_s=0.5))
+    stages = settings.extra["quart"]["stages"]
+    assert [(s.start, s.stop) for s in stages] == [(0, 2), (2, 4), (4, 6)]
+    grid = ShapeGrid((1, 2, 4), (64,))
+    cost = CostModel({"minilm-l6": LatencyProfile("minilm-l6", {Cell(b, 64): 0.01 * b for b in (1, 2, 4)})})
+    policy = make_policy(settings, {"minilm-l6": type("M", (), {"grid": grid})()}, cost)
+    assert policy.servers[0].accelerators == 5 and policy.worker_server == {0: 0, 1: 0, 2: 0}
+    assert policy.period == 0.5 and policy.use_cache
+    assert all(policy.cache.holds(0, s) for s in stages)
+    assert policy.slo_s == pytest.approx(0.02)  # 2x the whole model's batch-1 price at the longest bucket
+    # each stage priced at its third of the whole model
+    assert policy.cost.latency[stages[1].label()].latency(Cell(4, 64)) == pytest.approx(0.04 / 3)
+    off = make_policy(ServeSettings(**{**settings.__dict__, "quart_cache": False}),
+                      {"minilm-l6": type("M", (), {"grid": grid})()}, cost)
+    assert not off.use_cache and not any(off.cache.holds(0, s) for s in stages)

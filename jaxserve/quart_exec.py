@@ -1,0 +1,214 @@
+"""QUART live (§6.1): a text model served as a pipeline of layer-range stages on Ray actors,
+with new replicas of key stages taking their parameters from the node's KeysManager.
+
+What the policy (:class:`jaxserve.sched.quart.QuartPolicy`) plans, the engine carries out with
+the workers made here:
+
+* **Stage workers.** The server starts one worker per stage (ids ``0..K-1``): a Ray actor
+  (:class:`QuartStageHost`) holding that stage only, its executables from the node's compile
+  cache and its parameters from the stage's own checkpoint (written at warmup beside the cache:
+  :func:`jaxserve.asyfunc_exec.write_block_checkpoint`); a first load from disk asks the node's
+  KeysManager to cache the stage, so every stage starts cached where it runs, as the simulator
+  starts (``jaxserve.launch.simulate_quart``).
+* **A new replica** (the policy's ``add_worker`` then ``load``) is the node's warm pool worker:
+  a process already up, JAX imported, every stage's executables loaded (they take the weights as
+  arguments, so they hold no parameters); its load only leases the stage from the KeysManager
+  (``ray.get`` from the object store and a copy onto the device:
+  :meth:`jaxserve.keys_manager.StageReplica.become_ready`). A new pool worker starts at once in
+  its place.
+
+Decision (the paper's cache is a forked process per key stage, process and parameters both):
+**the cache is the warm pool worker plus the parameters in the object store**, together, and
+``cache=False`` turns both off. Without it a new replica is a fresh actor that loads the stage's
+executables from the compile cache and reads its checkpoint from disk, which is what
+:class:`~jaxserve.sched.quart.LoadModel` prices as a disk load (actor start, executables, read)
+against a cache load (the copy alone). Each actor reports where each of its loads took the
+parameters from (``"cache"`` or ``"disk"``, :attr:`StageLoad.source`) and how long it took.
+
+A replica that dies is restarted by the engine (a fresh actor of the same class, holding the
+same stage): its parameters come from the KeysManager, which is another actor and keeps its
+entries. Stale entries (a checkpoint rewritten since) are never served
+(:meth:`~jaxserve.keys_manager.KeysManager.lease` checks the record).
+
+Text models only (BERT family: the stages are :class:`~jaxserve.models.bert.BertStage` ranges).
+Needs the ray extra.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+from jaxserve.sched.base import Stage
+
+__all__ = ["StageLoad", "even_stages"]
+
+
+@dataclass(frozen=True)
+class StageLoad:
+    """One load of a stage in an actor: where its parameters came from (``"cache"``: the
+    node's KeysManager; ``"disk"``: its checkpoint), the seconds of the whole load
+    (parameters, and the executables when the actor had not prepared them), of the
+    parameters alone, and their bytes."""
+
+    stage: Stage
+    source: str
+    seconds: float
+    params_seconds: float
+    nbytes: int
+
+
+def even_stages(model: str, num_layers: int, count: int) -> tuple[Stage, ...]:
+    """``model`` cut into ``count`` stages of equal layer cost (the paper cuts evenly with
+    DeepSpeed; BERT's encoder layers are identical): :func:`jaxserve.sched.quart.cut_stages`."""
+    from jaxserve.sched.quart import cut_stages
+
+    if not 2 <= count <= num_layers:
+        raise ValueError(f"a pipeline of {model} needs 2 to {num_layers} stages, not {count}")
+    return cut_stages(model, [1.0] * num_layers, count)
+
+
+try:
+    import ray
+
+    from jaxserve.asyfunc_exec import ShadowHost, block_dir, load_text_block
+    from jaxserve.ray_workers import RayWorker, WorkerSpec, all_ready
+except ImportError:  # pragma: no cover - the ray extra is not installed
+    ray = None
+
+if ray is not None:
+    class QuartStageHost(ShadowHost):
+        """A stage replica's actor: loads stages of a text model (:func:`load_text_block`),
+        taking the parameters from the node's KeysManager when it holds them (else from the
+        stage's checkpoint, then asking the manager to cache it). ``use_cache`` False: the
+        disk always, and nothing cached."""
+
+        use_cache = True
+
+        def __init__(self, spec: WorkerSpec):
+            super().__init__(spec)
+            self.loads: list[StageLoad] = []
+
+        def _runner(self, stage: Stage):
+            from jaxserve.keys_manager import StageReplica, keys_manager
+
+            spec = self._spec
+            if stage.whole:
+                raise ValueError(f"{stage.label()}: a stage replica holds a layer range, not the whole model")
+            t0 = time.perf_counter()
+            directory = block_dir(spec.cache_dir, stage, spec.precision)
+            replica = StageReplica()
+            report = replica.become_ready(stage, str(directory), keys_manager() if self.use_cache else None,
+                                          populate=self.use_cache)
+            heads_dir = spec.heads_dir if stage.model == "minilm-l6" else None  # as jaxserve.launch.load_runtimes
+            runner = load_text_block(stage.model, stage, spec.text_grid, self._open_cache(), precision=spec.precision,
+                                     tune=spec.tune, prime=spec.prime, heads_dir=heads_dir,
+                                     prepared=self._prepared.get(stage), params=replica.params)
+            self.loads.append(StageLoad(stage, report.source, time.perf_counter() - t0, report.seconds,
+                                        report.nbytes))
+            return runner
+
+        def load_log(self) -> list[StageLoad]:
+            return list(self.loads)
+
+    class QuartDiskHost(QuartStageHost):
+        """:class:`QuartStageHost` without the cache: every load reads the checkpoint."""
+
+        use_cache = False
+
+    _CachedActor = ray.remote(QuartStageHost)
+    _DiskActor = ray.remote(QuartDiskHost)
+
+    class QuartWorker(RayWorker):
+        """A stage replica (:class:`QuartStageHost` in a Ray actor)."""
+
+        kind = "ray-stage"
+        actor_class = _CachedActor
+
+        def load_log(self) -> list[StageLoad]:
+            """Every load this replica's actor made (one call, behind its queued steps)."""
+            return ray.get(self.actor.load_log.remote())
+
+        def kill(self) -> None:
+            """End the actor's process now (its steps fail with WorkerDied)."""
+            ray.kill(self.actor, no_restart=True)
+
+    class QuartDiskWorker(QuartWorker):
+        actor_class = _DiskActor
+
+    class QuartRayWorkers:
+        """The workers of a live QUART pipeline on one Ray node: the stage workers it starts
+        with (:meth:`initial`) and its ``worker_factory`` (the engine calls it for a planned
+        ``add_worker``): the warm pool worker with the cache on, a fresh actor without it
+        (module docstring). Actors are not pinned and ask Ray for no CPU (``num_cpus=0``):
+        the policy decides how many replicas there are, Ray must not hold one back. One node
+        (this driver's): the KeysManager the replicas lease from is that node's, which this
+        object holds (:attr:`manager`)."""
+
+        def __init__(self, spec: WorkerSpec, stages: Sequence[Stage], use_cache: bool = True):
+            from jaxserve.keys_manager import keys_manager
+
+            self.spec = spec
+            self.stages = tuple(stages)
+            self.use_cache = use_cache
+            # the node's KeysManager, started here and held for the server's life: a named actor
+            # that is not detached dies with its last handle, so one made by a replica (which
+            # drops its handle after the lease) would take the cache with it
+            self.manager = keys_manager() if use_cache else None
+            self.cls = QuartWorker if use_cache else QuartDiskWorker
+            self._pool: QuartWorker | None = None
+            self.made: dict[int, QuartWorker] = {}
+            self.from_pool = 0
+
+        def initial(self, placement: Sequence[Stage]) -> list:
+            """Workers ``0..len(placement)-1``, worker ``i`` holding ``placement[i]``, ready;
+            then the first pool worker started (cache on)."""
+            out = [self._new(i, (stage,)) for i, stage in enumerate(placement)]
+            all_ready(out)
+            self.refill()
+            return out
+
+        def _new(self, wid: int, stages: Sequence[Stage] = ()):
+            worker = self.cls(wid, self.spec, stages, num_cpus=0)
+            self.made[wid] = worker
+            return worker
+
+        def refill(self) -> None:
+            """Start a warm pool worker if there is none (cache on), preparing every stage's
+            executables."""
+            if self.use_cache and self._pool is None:
+                self._pool = QuartWorker(-1, self.spec, (), num_cpus=0)
+                self._pool.actor.prepare.remote(list(self.stages))
+
+        def __call__(self, wid: int):
+            if not self.use_cache:
+                return self._new(wid)
+            self.refill()
+            worker, self._pool = self._pool, None
+            worker.id = wid
+            self.made[wid] = worker
+            self.from_pool += 1
+            self.refill()
+            return worker
+
+        def load_sources(self) -> Counter:
+            """Loads by parameter source over every replica made, alive or not (a dead
+            actor's loads are lost with it)."""
+            out: Counter = Counter()
+            for w in self.made.values():
+                try:
+                    out.update(x.source for x in w.load_log())
+                except Exception:  # closed or dead
+                    continue
+            return out
+
+        def close(self) -> None:
+            """End the pool worker (the engine closes the others) and let the manager go."""
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+            self.manager = None
+
+    __all__ += ["QuartDiskHost", "QuartDiskWorker", "QuartRayWorkers", "QuartStageHost", "QuartWorker"]

@@ -1,0 +1,167 @@
+"""QUART served live (``serve --policy quart --workers ray``), through HTTP on loopback, with the
+real MiniLM-L6 weights cut into 3 stages of 2 layers, one Ray stage worker each: a burst makes
+the policy give a key stage a new replica, which comes up from the node's warm pool worker and
+the KeysManager's copy of the stage's parameters (or, with the cache off, from a fresh actor
+reading the stage's checkpoint); every answer equals the whole model's; nothing compiles after
+ready; a replica killed during a burst loses no request, and the KeysManager's entries survive
+it. Always Ray (the parameter cache is Ray's object store), whatever `make test`'s pass.
+
+The policy plans with the SLO its default gives (2x the whole model's batch-1 price), so a
+burst of 192 texts queues far past every stage's target: the decisions tested are the
+Corrector's, not the clock's."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import numpy as np
+import pytest
+
+from jaxserve.launch import ServeSettings
+from jaxserve.sched.base import ShapeGrid
+from support import LiveServer, _series, _until
+
+pytest.importorskip("ray")
+
+MODEL = "minilm-l6"
+GRID = ShapeGrid((1, 2, 4), (16,))
+WORDS = ["late", "flight", "great", "service", "bag", "airport", "quiet", "trip", "slow", "seat", "crew", "kind"]
+TEXTS = [" ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(3 + i % 5)) for i in range(192)]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("quart-cache"))
+
+
+@pytest.fixture(scope="module")
+def whole(cache_dir):
+    """Every text's embedding from the whole model (the default policy, thread workers)."""
+    settings = ServeSettings(models=(MODEL,), cache_dir=cache_dir, text_grid=GRID, tune=False, progress=False,
+                             max_queue=512)
+    with LiveServer(settings) as srv:
+        return burst(srv.url, TEXTS)
+
+
+def settings_for(cache_dir: str, cache: bool = True) -> ServeSettings:
+    return ServeSettings(models=(MODEL,), cache_dir=cache_dir, policy="quart", workers="ray", instances=5,
+                         quart_stages=3, quart_period_s=0.25, quart_cache=cache, text_grid=GRID, tune=False,
+                         progress=False, max_queue=512, correct_prices=False)
+
+
+def embeddings(client: httpx.Client, texts: list[str]) -> np.ndarray:
+    r = client.post("/v1/embeddings", json={"model": MODEL, "input": texts})
+    assert r.status_code == 200, r.text
+    return np.array([d["embedding"] for d in r.json()["data"]], np.float64)
+
+
+def burst(url: str, texts: list[str], parts: int = 6) -> np.ndarray:
+    """``texts`` sent at once as ``parts`` concurrent requests; the embeddings in order."""
+    chunks = np.array_split(np.arange(len(texts)), parts)
+    out: list = [None] * parts
+
+    def send(k):
+        with httpx.Client(base_url=url, timeout=300) as c:
+            out[k] = embeddings(c, [texts[i] for i in chunks[k]])
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(parts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert all(o is not None for o in out), "a part of the burst got no answer"
+    return np.concatenate(out)
+
+
+def replicas_added(engine) -> list[tuple[int, str, str]]:
+    """(worker, stage, planned source) of every load the policy planned beyond the first workers."""
+    return [(w, stage, source) for _, action, w, stage, source in list(engine.policy.events)
+            if action == "load" and w >= 3]
+
+
+def stage_labels() -> list[str]:
+    return [f"{MODEL}[0:2]", f"{MODEL}[2:4]", f"{MODEL}[4:6]"]
+
+
+def stage_of(label: str):
+    from jaxserve.sched.base import Stage
+
+    start, stop = (int(x) for x in label[len(MODEL) + 1:-1].split(":"))
+    return Stage(MODEL, start, stop, 6)
+
+
+def manager_holds(cache_dir: str, label: str) -> bool:
+    """Whether this node's KeysManager holds a valid entry of the stage's checkpoint now."""
+    import ray
+
+    from jaxserve.asyfunc_exec import block_dir
+    from jaxserve.keys_manager import keys_manager
+
+    stage = stage_of(label)
+    return ray.get(keys_manager().holds.remote(stage, str(block_dir(cache_dir, stage))))
+
+
+def test_a_burst_gives_a_key_stage_a_replica_from_the_cache_and_answers_as_the_whole_model(cache_dir, whole):
+    with LiveServer(settings_for(cache_dir)) as srv:
+        engine = srv.app.state.jaxserve.engine
+        factory = engine.worker_factory
+        assert sorted(engine.workers) == [0, 1, 2]
+        assert [sorted(s.label() for s in w.stages()) for _, w in sorted(engine.workers.items())] == \
+            [[x] for x in stage_labels()]
+        assert {w.kind for w in engine.workers.values()} == {"ray-stage"}
+        # each stage worker's first load had the node's manager cache its stage (entries are keyed by
+        # the arrays' digest, so another server's load of the same stage may have cached it already)
+        assert _until(lambda: all(manager_holds(cache_dir, label) for label in stage_labels()), timeout_s=60)
+        got = burst(srv.url, TEXTS)
+        np.testing.assert_allclose(got, whole, atol=1e-5)
+        added = replicas_added(engine)
+        assert added, "the burst gave no stage a replica"
+        assert all(source == "cache" for _, _, source in added)  # the policy's model of the cache
+        wid, label, _ = added[0]
+        assert label in stage_labels()
+        assert engine.policy.key_stages
+        # the replica is the warm pool worker; its load took the parameters from the manager
+        assert _until(lambda: any(label == lab and w == wid for lab, w, _ in list(engine.stats.stage_loads)),
+                      timeout_s=60)
+        assert factory.from_pool >= 1
+        log = engine.workers[wid].load_log()
+        assert [(x.stage.label(), x.source) for x in log] == [(label, "cache")]
+        assert log[0].nbytes > 0
+        # the same texts again, on the grown pipeline: the same answers
+        np.testing.assert_allclose(burst(srv.url, TEXTS), whole, atol=1e-5)
+        assert _series(srv.url, "jaxserve_compilations_since_ready") == 0.0
+
+
+def test_with_the_cache_off_a_new_replica_reads_its_checkpoint_in_a_fresh_actor(cache_dir, whole):
+    with LiveServer(settings_for(cache_dir, cache=False)) as srv:
+        engine = srv.app.state.jaxserve.engine
+        np.testing.assert_allclose(burst(srv.url, TEXTS), whole, atol=1e-5)
+        added = replicas_added(engine)
+        assert added and all(source in ("page", "cold") for _, _, source in added)
+        wid, label, _ = added[0]
+        assert _until(lambda: any(label == lab and w == wid for lab, w, _ in list(engine.stats.stage_loads)),
+                      timeout_s=120)
+        assert [(x.stage.label(), x.source) for x in engine.workers[wid].load_log()] == [(label, "disk")]
+        assert engine.worker_factory.from_pool == 0
+        assert _series(srv.url, "jaxserve_compilations_since_ready") == 0.0
+
+
+def test_a_replica_killed_during_a_burst_loses_no_request_and_comes_back_from_the_cache(cache_dir, whole):
+    with LiveServer(settings_for(cache_dir)) as srv:
+        engine = srv.app.state.jaxserve.engine
+        assert _until(lambda: all(manager_holds(cache_dir, label) for label in stage_labels()), timeout_s=60)
+        victim = engine.workers[1]  # the middle stage's first worker
+        out: list = []
+        sender = threading.Thread(target=lambda: out.append(burst(srv.url, TEXTS)))
+        sender.start()
+        assert _until(lambda: engine.stats.steps >= 3, timeout_s=60)  # the burst is under way
+        victim.kill()
+        sender.join(300)
+        assert out, "the burst got no answer"
+        np.testing.assert_allclose(out[0], whole, atol=1e-5)  # every text answered, once, correctly
+        assert engine.stats.worker_restarts >= 1
+        # the restarted actor holds its stage again, its parameters from the manager, which kept them
+        assert _until(lambda: victim.alive and [x.source for x in victim.load_log()] == ["cache"], timeout_s=120)
+        assert all(manager_holds(cache_dir, label) for label in stage_labels())
+        np.testing.assert_allclose(burst(srv.url, TEXTS[:24]), whole[:24], atol=1e-5)
