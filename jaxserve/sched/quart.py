@@ -583,6 +583,22 @@ class ScalingPipeline(PipelineBatching):
         return self._last_load_s.get(stage, 0.0)
 
     # -- measurements ------------------------------------------------------------------------
+    def metrics(self):
+        """Per stage: replicas (live, loading and coming), ready replicas and queued requests;
+        the loads planned so far by where the policy expects the parameters from (``cache``,
+        ``page``, ``cold``: :meth:`ParameterCache.source`)."""
+        for s in self.stages:
+            label = {"stage": s.label()}
+            yield "quart_replicas", label, float(self.replicas(s))
+            yield "quart_ready_replicas", label, float(len(self.ready_replicas(s)))
+            yield "quart_queued", label, float(self.queued(s))
+        planned = {"cache": 0, "page": 0, "cold": 0}
+        for _, action, _, _, source in self.events:
+            if action == "load":
+                planned[source] = planned.get(source, 0) + 1
+        for source, n in planned.items():
+            yield "quart_loads", {"source": source}, float(n)
+
     def replicas(self, stage: Stage) -> int:
         """Live, loading and coming replicas of ``stage``."""
         return sum(1 for w, s in self._worker_stage.items() if s == stage and w not in self._removed)
@@ -831,6 +847,19 @@ class QuartPolicy(ScalingPipeline):
     def on_arrival(self, request: Request, now: float) -> None:
         super().on_arrival(request, now)
         self._cv_in[request.model].add(now)
+
+    def metrics(self):
+        """:meth:`ScalingPipeline.metrics`, and per stage whether it is a key stage, its target
+        delay and its last estimated delay (the Corrector's), and the replicas taken from a
+        surplus stage for a key stage (point 5)."""
+        yield from super().metrics()
+        for s in self.stages:
+            label = {"stage": s.label()}
+            yield "quart_key_stage", label, 1.0 if s in self.key_stages else 0.0
+            yield "quart_target_seconds", label, float(self.targets[s])
+            if s in self.last_delay:
+                yield "quart_delay_seconds", label, float(self.last_delay[s])
+        yield "quart_reclaimed_for_key", {}, float(self.reclaimed_for_key)
 
     def _delay(self, stage: Stage, lam: float, mu: float, r: int) -> float:
         target = self.targets[stage]

@@ -128,6 +128,11 @@ def test_a_burst_gives_a_key_stage_a_replica_from_the_cache_and_answers_as_the_w
         log = engine.workers[wid].load_log()
         assert [(x.stage.label(), x.source) for x in log] == [(label, "cache")]
         assert log[0].nbytes > 0
+        # /metrics: the policy's view (replicas, key stages, planned sources) and the load's time
+        assert _series(srv.url, 'jaxserve_policy_quart_loads{source="cache"}') >= 1.0
+        assert _series(srv.url, 'jaxserve_policy_quart_loads{source="cold"}') == 0.0
+        assert _series(srv.url, f'jaxserve_policy_quart_key_stage{{stage="{label}"}}') == 1.0
+        assert _series(srv.url, f'jaxserve_stage_load_seconds{{stage="{label}",worker="{wid}"}}') > 0.0
         # the same texts again, on the grown pipeline: the same answers
         np.testing.assert_allclose(burst(srv.url, TEXTS), whole, atol=1e-5)
         assert _series(srv.url, "jaxserve_compilations_since_ready") == 0.0
