@@ -75,6 +75,7 @@ class LoadResult:
     computed: list  # (shape label, compute ms, ms its instance was held) per answered request (jaxserve only)
     send_lag: np.ndarray  # seconds each request left the client after its scheduled time (trace order)
     error_kinds: Counter  # what each error was (exception or HTTP status), counted
+    answered: np.ndarray | None = None  # schedule index of each entry of latencies / server_ms (same order)
 
     @property
     def throughput(self) -> float:
@@ -108,7 +109,7 @@ async def open_loop(url: str, schedule: np.ndarray, texts: list[str], slo_ms: fl
     from bench.httpload import Pool, at
 
     pool = Pool(url, timeout=timeout_s)
-    lat, server_ms, computed = [], [], []
+    lat, server_ms, computed, answered = [], [], [], []
     send_lag = np.zeros(len(schedule))
     error_kinds = Counter()
     counts = {"ok": 0, "late": 0, "evicted": 0, "rejected": 0, "errors": 0}
@@ -137,6 +138,7 @@ async def open_loop(url: str, schedule: np.ndarray, texts: list[str], slo_ms: fl
             outcome = meta["outcome"] if meta else "ok"
             counts[outcome] += 1
             if outcome != "evicted":
+                answered.append(i)
                 lat.append(dt)
                 server_ms.append(meta["latency_ms"] if meta else np.nan)
                 if meta:
@@ -149,7 +151,7 @@ async def open_loop(url: str, schedule: np.ndarray, texts: list[str], slo_ms: fl
     duration = time.perf_counter() - start
     return LoadResult(len(schedule) / max(schedule[-1], 1e-9), len(schedule), counts["ok"], counts["late"],
                       counts["evicted"], counts["rejected"], counts["errors"], duration,
-                      np.array(lat), np.array(server_ms), computed, send_lag, error_kinds)
+                      np.array(lat), np.array(server_ms), computed, send_lag, error_kinds, np.array(answered, int))
 
 
 def sample_texts(n: int = 2000, seed: int = 0) -> list[str]:

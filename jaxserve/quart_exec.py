@@ -164,10 +164,14 @@ if ray is not None:
 
         def initial(self, placement: Sequence[Stage]) -> list:
             """Workers ``0..len(placement)-1``, worker ``i`` holding ``placement[i]``, ready;
-            then the first pool worker started (cache on)."""
+            then (cache on) the first pool worker, started and its stages prepared before this
+            returns: the server is ready with its cache warm, and the pool's start does not
+            compete with the first requests for the cores."""
             out = [self._new(i, (stage,)) for i, stage in enumerate(placement)]
             all_ready(out)
             self.refill()
+            if self._pool is not None:
+                ray.get(self._pool.actor.prepare.remote(list(self.stages)))
             return out
 
         def _new(self, wid: int, stages: Sequence[Stage] = ()):

@@ -62,7 +62,7 @@ from jaxserve.sched.pipeline import PipelineBatching
 __all__ = [
     "cut_stages", "erlang_c", "mmc_delay", "mmc_wait", "replicas_for", "PID", "CvPropagation", "smoothing_beta",
     "smooth_allocation", "fit_linear", "CpuCompensator", "Server", "LoadModel", "ParameterCache", "kl_to_uniform",
-    "choose_server", "ScalingPipeline", "QuartPolicy", "InflessLike", "InferlineLike", "CocktailLike",
+    "choose_server", "ScalingPipeline", "StageTotals", "QuartPolicy", "InflessLike", "InferlineLike", "CocktailLike",
     "stage_cost_model",
 ]
 
@@ -476,6 +476,18 @@ class _StageStats:
     busy_s: float = 0.0
 
 
+@dataclass
+class StageTotals:
+    """A stage's steps since the start: how many, the seconds its replicas were busy with them
+    (dispatch to completion, as the engine or simulator reports it: compute, the call and the
+    hand-off) and what the cost model prices them at. Their ratio is how far live steps are
+    from the profile (a simulator calibrates on it: bench/quart_live.py)."""
+
+    steps: int = 0
+    busy_s: float = 0.0
+    priced_s: float = 0.0
+
+
 class ScalingPipeline(PipelineBatching):
     """:class:`PipelineBatching` whose replicas per stage a controller changes every
     ``period`` seconds (:meth:`desired`, overridden by each policy).
@@ -517,6 +529,7 @@ class ScalingPipeline(PipelineBatching):
         self._next_control = 0.0
         self._last_control: float | None = None
         self._stats = {s: _StageStats() for s in self.stages}
+        self.totals = {s: StageTotals() for s in self.stages}
         self._running_since: dict[int, float] = {}
         self._worker_stage: dict[int, Stage] = {}  # every live or coming worker -> its stage
         self._pending_load: dict[int, Stage] = {}  # added, not up yet, or up and to load
@@ -570,6 +583,11 @@ class ScalingPipeline(PipelineBatching):
         self._seq[batch.stage] = batch.cell.seq
         st.completed += len(batch.request_ids)
         st.busy_s += now - started
+        total = self.totals[batch.stage]
+        total.steps += 1
+        total.busy_s += now - started
+        total.priced_s += self.cost.latency[batch.stage.model if batch.stage.whole else batch.stage.label()].latency(
+            batch.cell)
         super().on_completion(batch, now, summaries)
 
     # -- the simulator's binding ------------------------------------------------------------
@@ -584,14 +602,18 @@ class ScalingPipeline(PipelineBatching):
 
     # -- measurements ------------------------------------------------------------------------
     def metrics(self):
-        """Per stage: replicas (live, loading and coming), ready replicas and queued requests;
-        the loads planned so far by where the policy expects the parameters from (``cache``,
+        """Per stage: replicas (live, loading and coming), ready replicas, queued requests and
+        its :class:`StageTotals`; the loads planned so far by where the policy expects the parameters from (``cache``,
         ``page``, ``cold``: :meth:`ParameterCache.source`)."""
         for s in self.stages:
             label = {"stage": s.label()}
             yield "quart_replicas", label, float(self.replicas(s))
             yield "quart_ready_replicas", label, float(len(self.ready_replicas(s)))
             yield "quart_queued", label, float(self.queued(s))
+            total = self.totals[s]
+            yield "quart_stage_steps", label, float(total.steps)
+            yield "quart_stage_busy_seconds", label, total.busy_s
+            yield "quart_stage_priced_seconds", label, total.priced_s
         planned = {"cache": 0, "page": 0, "cold": 0}
         for _, action, _, _, source in self.events:
             if action == "load":

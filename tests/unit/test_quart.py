@@ -268,6 +268,17 @@ def test_simulate_quart_variants_from_a_whole_model_profile(variant):
     stages = policy.stages
     assert len(stages) == (1 if variant in ("quart-infless", "quart-cocktail") else 6)
     assert max(sum(r) for _, r in policy.replica_log) <= 16
+    # the totals count each stage's steps; without noise, CPU compensation or a transfer between
+    # stages, a step is busy exactly its price (with a transfer, its hop too: in live runs the
+    # activations travel with the call)
+    from pathlib import Path
+
+    result, policy = simulate_quart(variant, cost, "minilm-l6", trace, workers=16, slo_s=0.04, planned_rate=75.0,
+                                    transfer_profile=Path("/nonexistent/ray-transfer.json"))
+    for s in policy.stages:
+        t = policy.totals[s]
+        assert t.steps > 0 and t.priced_s > 0
+        assert t.busy_s == pytest.approx(t.priced_s, rel=1e-9)
 
 
 @pytest.mark.parametrize("settings, reason", [
