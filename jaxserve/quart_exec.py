@@ -74,11 +74,19 @@ try:
     import ray
 
     from jaxserve.asyfunc_exec import ShadowHost, block_dir, load_text_block
-    from jaxserve.ray_workers import RayWorker, WorkerSpec, all_ready
+    from jaxserve.ray_workers import HostReport, RayWorker, WorkerSpec, all_ready
 except ImportError:  # pragma: no cover - the ray extra is not installed
     ray = None
 
 if ray is not None:
+    @dataclass(frozen=True)
+    class QuartReport(HostReport):
+        """A stage replica's report: :class:`~jaxserve.ray_workers.HostReport` and every load
+        its actor made, so the driver knows each load's source without another call, even
+        after the replica is gone."""
+
+        loads: tuple = ()
+
     class QuartStageHost(ShadowHost):
         """A stage replica's actor: loads stages of a text model (:func:`load_text_block`),
         taking the parameters from the node's KeysManager when it holds them (else from the
@@ -110,8 +118,9 @@ if ray is not None:
                                         report.nbytes))
             return runner
 
-        def load_log(self) -> list[StageLoad]:
-            return list(self.loads)
+        def report(self) -> QuartReport:
+            base = super().report()
+            return QuartReport(base.stages, base.pid, base.node, base.compilations, tuple(self.loads))
 
     class QuartDiskHost(QuartStageHost):
         """:class:`QuartStageHost` without the cache: every load reads the checkpoint."""
@@ -128,8 +137,11 @@ if ray is not None:
         actor_class = _CachedActor
 
         def load_log(self) -> list[StageLoad]:
-            """Every load this replica's actor made (one call, behind its queued steps)."""
-            return ray.get(self.actor.load_log.remote())
+            """Every load this replica's actor (its current one, after a restart) made, as of
+            its last report (after each load): no call, so it answers after the replica is gone."""
+            with self._state:
+                report = self._report
+            return list(getattr(report, "loads", ()))
 
         def kill(self) -> None:
             """End the actor's process now (its steps fail with WorkerDied)."""
@@ -198,15 +210,9 @@ if ray is not None:
             return worker
 
         def load_sources(self) -> Counter:
-            """Loads by parameter source over every replica made, alive or not (a dead
-            actor's loads are lost with it)."""
-            out: Counter = Counter()
-            for w in self.made.values():
-                try:
-                    out.update(x.source for x in w.load_log())
-                except Exception:  # closed or dead
-                    continue
-            return out
+            """Loads by parameter source over every replica made, alive or not (a restarted
+            replica counts its current actor's)."""
+            return Counter(x.source for w in self.made.values() for x in w.load_log())
 
         def close(self) -> None:
             """End the pool worker (the engine closes the others) and let the manager go."""
