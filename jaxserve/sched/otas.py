@@ -415,6 +415,7 @@ class _Pricer:
             raise ValueError(f"gammas {missing} are not compiled in the grid {grid.gammas}")
         self.model, self.latency, self.accuracy, self.grid, self.gammas = model, latency, accuracy, grid, gammas
         self._seconds: dict[tuple[int, int], float] = {}
+        self._fastest: dict[int, float] = {}
         for g in gammas:  # fail at construction, not mid-run, if a column is missing
             self.seconds(grid.max_batch, g)
 
@@ -433,36 +434,86 @@ class _Pricer:
         return self._seconds[key]
 
     def fastest_seconds(self, count: int) -> float:
-        return min(self.seconds(count, g) for g in self.gammas)
+        t = self._fastest.get(count)
+        if t is None:
+            t = self._fastest[count] = min(self.seconds(count, g) for g in self.gammas)
+        return t
 
-    def options(self, requests: Sequence[Request]) -> list[GammaOption]:
-        n = len(requests)
+    def utilities(self, requests: Sequence[Request], start: int = 0,
+                  partial: Sequence[float] | None = None) -> list[float]:
+        """Per gamma (in :attr:`gammas` order), the sum over ``requests`` of accuracy x
+        utility, summed in request order; ``partial``: the sums over ``requests[:start]``,
+        continued from there (the same floating-point sequence as summing all of them)."""
         out = []
-        for g in self.gammas:
-            u = 0.0
-            for r in requests:
+        for k, g in enumerate(self.gammas):
+            u = 0.0 if partial is None else partial[k]
+            for r in requests[start:]:
                 try:
                     u += self.accuracy.of(r.task, g) * r.utility
                 except KeyError:
                     raise KeyError(f"no accuracy profiled for task {r.task!r} at gamma {g} ({self.model})") from None
-            out.append(GammaOption(g, self.seconds(n, g), u))
+            out.append(u)
         return out
+
+    def options(self, requests: Sequence[Request], utilities: Sequence[float] | None = None) -> list[GammaOption]:
+        """The batch's gamma options; ``utilities``: :meth:`utilities` of ``requests``, if known."""
+        n = len(requests)
+        us = self.utilities(requests) if utilities is None else utilities
+        return [GammaOption(g, self.seconds(n, g), u) for g, u in zip(self.gammas, us)]
 
 
 class _QueuedBatch:
-    """A batch under construction/waiting (internal, mutable)."""
+    """A batch under construction/waiting (internal, mutable). Its requests change only through
+    :meth:`add` and :meth:`keep`, which keep the cached earliest deadline and per-gamma utility
+    sums (:meth:`utilities`) and options current: a plan reads them for every queued batch, and
+    recomputing them over every request made OTAS the slowest policy to simulate. Sums and
+    options are of one pricer; a policy that reprices (a new ``_Pricer``) gets them afresh."""
 
-    __slots__ = ("key", "requests", "opened", "first_utility")
+    __slots__ = ("key", "requests", "opened", "first_utility", "_deadline", "_sums", "_summed", "_options", "_by")
 
     def __init__(self, key: int, first: Request, now: float) -> None:
         self.key = key
         self.requests = [first]
         self.opened = now  # s_b, as seen by the policy
         self.first_utility = first.utility
+        self._deadline = first.deadline
+        self._sums: list[float] | None = None  # utility sums over requests[:_summed]
+        self._summed = 0
+        self._options: list[GammaOption] | None = None  # of requests[:_summed]
+        self._by: "_Pricer | None" = None  # the pricer the sums and options are of
+
+    def add(self, request: Request) -> None:
+        self.requests.append(request)
+        self._deadline = min(self._deadline, request.deadline)
+
+    def keep(self, requests: list[Request]) -> None:
+        """Replace the requests by ``requests`` (a subsequence: some were withdrawn or evicted)."""
+        self.requests = requests
+        self._deadline = min((r.deadline for r in requests), default=math.inf)
+        self._sums, self._summed, self._options = None, 0, None
 
     @property
     def deadline(self) -> float:
-        return min(r.deadline for r in self.requests)
+        return self._deadline
+
+    def utilities(self, pricer: "_Pricer") -> list[float]:
+        """:meth:`_Pricer.utilities` of the requests, extended from the last call's sums when
+        requests were only added since (appending continues the same summation order)."""
+        n = len(self.requests)
+        if self._by is not pricer:  # repriced, or new accuracy (a new pricer): start over
+            self._sums, self._summed, self._options, self._by = None, 0, None, pricer
+        if self._sums is None or self._summed != n:
+            self._sums = pricer.utilities(self.requests, self._summed, self._sums)
+            self._summed = n
+            self._options = None
+        return self._sums
+
+    def options(self, pricer: "_Pricer") -> list[GammaOption]:
+        """:meth:`_Pricer.options` of the requests, kept until they change."""
+        sums = self.utilities(pricer)
+        if self._options is None:
+            self._options = pricer.options(self.requests, sums)
+        return self._options
 
     def sort_key(self) -> tuple[float, float, int]:
         return (self.deadline, self.opened, self.key)
@@ -543,7 +594,7 @@ class SelectiveBatchingPolicy(Policy):
                     and len(qb.requests) < cap
                     and _deadline_gap(request.deadline, qb.deadline) <= self.batching.eta
                     and _utility_ratio(request.utility, qb.first_utility) >= self.batching.mu):
-                qb.requests.append(request)
+                qb.add(request)
                 return
         self._queue.append(_QueuedBatch(self._next_key, request, now))
         self._next_key += 1
@@ -590,7 +641,7 @@ class SelectiveBatchingPolicy(Policy):
         for qb in self._queue:
             for i, r in enumerate(qb.requests):
                 if r.id == request_id:
-                    del qb.requests[i]
+                    qb.keep(qb.requests[:i] + qb.requests[i + 1:])
                     if not qb.requests:
                         self._queue.remove(qb)
                     self.counters["withdrawn"] += 1
@@ -659,13 +710,15 @@ class SelectiveBatchingPolicy(Policy):
         for qb in list(self._queue):
             while qb.requests:
                 t = self._pricer.fastest_seconds(len(qb.requests))
+                if free_at + t < qb.deadline:  # its earliest deadline: none is hopeless
+                    break
                 hopeless = [r for r in qb.requests if free_at + t >= r.deadline]
                 if not hopeless:
                     break
                 for r in hopeless:
                     self.outcomes[r.id] = OutcomeType.EVICTED
                     evicted.append(r.id)
-                qb.requests = [r for r in qb.requests if free_at + t < r.deadline]
+                qb.keep([r for r in qb.requests if free_at + t < r.deadline])
             if not qb.requests:
                 self._queue.remove(qb)
         self.counters["evicted"] += len(evicted)
@@ -712,6 +765,10 @@ class SelectiveBatchingPolicy(Policy):
             wake = blocked
         for qb in self._queue:
             t = self._pricer.fastest_seconds(len(qb.requests))
+            first = qb.deadline - t  # subtraction is monotone: no request's moment comes earlier
+            if now < first:
+                wake = min(wake, first)
+                continue
             for r in qb.requests:
                 when = r.deadline - t  # from then on the request is hopeless
                 if now < when < wake:
@@ -770,7 +827,7 @@ class OTASPolicy(SelectiveBatchingPolicy):
 
     def _schedule(self, clock, ordered):
         pricer = self._pricer
-        options = [pricer.options(qb.requests) for qb in ordered]
+        options = [qb.options(pricer) for qb in ordered]
         deadlines = [qb.deadline for qb in ordered]
         in_initial = self.start_time is not None and clock - self.start_time < self.params.initial_stage
         if len(ordered) <= self.params.beta or in_initial:

@@ -539,3 +539,32 @@ def test_otas_family_are_policies_and_describe_what_they_served():
         assert p.service_time(batch) is None  # priced by the cost model
         p.on_completion(batch, 0.1, {0: StepSummary(0.7, "cat")})
         assert p.describe_request(0) == {"gamma": batch.cell.gamma, "outcome_type": 1}
+
+
+def test_a_queued_batch_keeps_its_deadline_and_options_current_across_changes_and_reprices():
+    """The per-batch caches a plan reads (earliest deadline, per-gamma utility sums, options)
+    equal a fresh computation after every change: requests added (the sums continue in the same
+    order, so they are equal to the last bit), withdrawn or evicted (``keep``), and a new pricer
+    (a reprice or a reloaded accuracy profile)."""
+    from jaxserve.sched.otas import _Pricer, _QueuedBatch
+
+    p1 = _Pricer("vit", LAT, ACCP, GRID, GAMMAS)
+    rs = [req(i, 0.0, deadline=5.0 - 0.1 * i, utility=0.3 + 0.17 * i, task=("c10", "c100")[i % 2]) for i in range(7)]
+    qb = _QueuedBatch(0, rs[0], 0.0)
+    assert qb.options(p1) == p1.options(rs[:1]) and qb.deadline == 5.0
+    for n in range(2, 6):
+        qb.add(rs[n - 1])
+        assert qb.options(p1) == p1.options(rs[:n])  # exact: the same floating-point sums
+        assert qb.deadline == min(r.deadline for r in rs[:n])
+    qb.keep([rs[0], rs[2], rs[3]])  # rs[1] and rs[4] withdrawn or evicted
+    assert qb.options(p1) == p1.options([rs[0], rs[2], rs[3]]) and qb.deadline == rs[3].deadline
+    slower = latency_profile(scale={g: 2 * s for g, s in SCALE.items()})
+    p2 = _Pricer("vit", slower, ACCP, GRID, GAMMAS)  # a reprice
+    assert qb.options(p2) == p2.options(qb.requests)
+    assert [o.seconds for o in qb.options(p2)] == [2 * o.seconds for o in p1.options(qb.requests)]
+    flat = accuracy_profile(acc={t: {g: 0.5 for g in accs} for t, accs in ACC.items()})
+    p3 = _Pricer("vit", slower, flat, GRID, GAMMAS)  # a reloaded accuracy profile
+    qb.add(rs[6])
+    assert qb.options(p3) == p3.options(qb.requests)
+    assert all(o.utility == pytest.approx(0.5 * sum(r.utility for r in qb.requests)) for o in qb.options(p3))
+    assert p3.fastest_seconds(4) == min(p3.seconds(4, g) for g in GAMMAS)
