@@ -73,8 +73,8 @@ def even_stages(model: str, num_layers: int, count: int) -> tuple[Stage, ...]:
 try:
     import ray
 
-    from jaxserve.asyfunc_exec import ShadowHost, block_dir, load_text_block
-    from jaxserve.ray_workers import HostReport, RayWorker, WorkerSpec, all_ready
+    from jaxserve.asyfunc_exec import PoolWorker, ShadowHost, block_dir, load_text_block
+    from jaxserve.ray_workers import HostReport, WorkerSpec, all_ready
 except ImportError:  # pragma: no cover - the ray extra is not installed
     ray = None
 
@@ -130,8 +130,9 @@ if ray is not None:
     _CachedActor = ray.remote(QuartStageHost)
     _DiskActor = ray.remote(QuartDiskHost)
 
-    class QuartWorker(RayWorker):
-        """A stage replica (:class:`QuartStageHost` in a Ray actor)."""
+    class QuartWorker(PoolWorker):
+        """A stage replica (:class:`QuartStageHost` in a Ray actor; as AsyFunc's pool worker,
+        :meth:`kill` ends its process)."""
 
         kind = "ray-stage"
         actor_class = _CachedActor
@@ -142,10 +143,6 @@ if ray is not None:
             with self._state:
                 report = self._report
             return list(getattr(report, "loads", ()))
-
-        def kill(self) -> None:
-            """End the actor's process now (its steps fail with WorkerDied)."""
-            ray.kill(self.actor, no_restart=True)
 
     class QuartDiskWorker(QuartWorker):
         actor_class = _DiskActor
