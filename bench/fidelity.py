@@ -19,15 +19,15 @@ Decisions (where "capacity" and "calibration" need one):
   the traces it is scored on.
 - **Simulated arms.** ``correlated``, the arm the goal is judged on (chosen before its first
   run, since it keeps more of what was measured than the others): the calibration batches'
-  slow-downs replayed in the order they ran, in blocks (``correlated_service``), because live
-  slow batches come in runs. ``empirical``: each batch priced profile(cell) x ratio +
-  hand-off, one pair drawn independently from the calibration batches of its batch size
-  (``empirical_service``; the goal's arm until the runs were seen). ``log-normal``: the profile x the calibration's mean ratio,
-  a log-normal spread of its sigma and its mean hand-off (what ``jaxserve simulate
-  --latency-noise --batch-overhead-ms`` can reproduce), its policy planning with the profile x
-  the calibration's ratio. ``idle``: the bare profile. The ``correlated`` and ``empirical``
-  arms' policies plan with the prices the live server's own price correction (``CostDrift``)
-  holds after the calibration's batches (``live_prices``): per cell, as live.
+  slow-downs replayed in the order they ran, in blocks (``correlated_service``), because live slow
+  batches come in runs. ``empirical``: each batch priced profile(cell) x ratio + hand-off, one
+  pair drawn independently from the calibration batches of its batch size
+  (``empirical_service``; the goal's arm until the runs were seen). ``log-normal``: the profile
+  x the calibration's mean ratio, a log-normal spread of its sigma and its mean hand-off (what
+  ``jaxserve simulate --latency-noise --batch-overhead-ms`` can reproduce), its policy planning
+  with the profile x the calibration's ratio. ``idle``: the bare profile. The ``correlated`` and
+  ``empirical`` arms' policies plan with the prices the live server's own price correction
+  (``CostDrift``) holds after the calibration's batches (``live_prices``): per cell, as live.
 - **The image model** is DINOv2 ViT-S/14 (``--image-model``): a batch takes hundreds of ms
   here, so the engine, not the HTTP front end, sets its capacity, which is what the simulator
   models. The demo ViT computes a batch in a few ms: at 30% of its engine's capacity the

@@ -51,6 +51,15 @@ def settings_for(cache: str, cache_dir: str):
                          text_grid=ShapeGrid(BATCHES, BUCKETS), slo_ms=SLO_MS)
 
 
+def serve_flags(cache: str) -> list[str]:
+    """The server's flags after ``jaxserve serve`` (``cache``: ``--quart-cache``), as
+    :func:`settings_for` sets them."""
+    return ["--model", MODEL, "--workers", "ray", "--policy", "quart", "--instances", str(INSTANCES),
+            "--quart-stages", str(STAGES), "--quart-period-s", f"{PERIOD_S:g}", "--quart-cache", cache,
+            "--batch-sizes", ",".join(map(str, BATCHES)), "--buckets", ",".join(map(str, BUCKETS)),
+            "--slo-ms", f"{SLO_MS:g}"]
+
+
 def tweets_that_fit(seq: int):
     """Real tweets of at most ``seq`` tokens, and their token counts."""
     from jaxserve.datasets import load_tweets
@@ -89,12 +98,11 @@ def simulated(cache: str, cost, times: np.ndarray, lengths: np.ndarray, seed: in
     from jaxserve import traces
     from jaxserve.launch import make_quart_policy, with_quart
     from jaxserve.models.bert import BERT_CONFIGS
-    from jaxserve.sched.base import CostModel, LatencyProfile, ShapeGrid
+    from jaxserve.sched.base import CostModel, LatencyProfile
     from jaxserve.simulator import Transfer, simulate
 
     settings = with_quart(settings_for(cache, "unused"))
-    grid = ShapeGrid(BATCHES, BUCKETS)
-    policy = make_quart_policy(settings, {MODEL: grid}, cost)
+    policy = make_quart_policy(settings, {MODEL: settings.text_grid}, cost)
     stages = settings.extra["quart"]["stages"]
     hidden = BERT_CONFIGS[MODEL].hidden_size
     transfer = Transfer.from_profile(Path(__file__).parent / "profiles" / "ray-transfer.json",
@@ -136,17 +144,18 @@ def run(args) -> tuple[str, str]:
     of the same requests.
 
     Decisions. *SLO* 1 s for every request (:data:`SLO_MS`: why not the server's default), the
-    target QUART's Corrector divides among the stages. *Load*: fractions of the whole model's capacity at batch 8 and bucket 64 as the
-    server's own start-up profile prices it (the stages are priced at their third of it, so the
-    pipeline's priced capacity is 3x that on 3 free workers; on these 2 shared cores it is far
-    less, and the burst queues). *Latency* is the server's (``meta.latency_ms``, arrival stamp to
-    answer), by phase of the request's send time. *Replica loads*: ``/metrics`` at the end of the
-    run: the policy's planned sources (``jaxserve_policy_quart_loads``) and each new worker's load
-    seconds as its actor timed it (``jaxserve_stage_load_seconds``, workers beyond the first
-    three). *Simulator*: the same schedule and token lengths, the policy built as the server
-    builds it with the server's cost model: once as it is (stage prices are the profile's shares,
-    the Ray hop added between stages), once with each stage's steps at the ratio of busy to priced
-    seconds the live policy counted in the other round of the same arm (``StageTotals``: held out).
+    target QUART's Corrector divides among the stages. *Load*: fractions of the whole model's
+    capacity at batch 8 and bucket 64 as the server's own start-up profile prices it (the stages
+    are priced at their third of it, so the pipeline's priced capacity is 3x that on 3 free
+    workers; on these 2 shared cores it is far less, and the burst queues). *Latency* is the
+    server's (``meta.latency_ms``, arrival stamp to answer), by phase of the request's send
+    time. *Replica loads*: ``/metrics`` at the end of the run: the policy's planned sources
+    (``jaxserve_policy_quart_loads``) and each new worker's load seconds as its actor timed it
+    (``jaxserve_stage_load_seconds``, workers beyond the first three). *Simulator*: the same
+    schedule and token lengths, the policy built as the server builds it with the server's cost
+    model: once as it is (stage prices are the profile's shares, the Ray hop added between
+    stages), once with each stage's steps at the ratio of busy to priced seconds the live policy
+    counted in the other round of the same arm (``StageTotals``: held out).
     New replicas' loads are priced by :class:`jaxserve.sched.quart.LoadModel` in both."""
     import asyncio
     import time
@@ -164,11 +173,8 @@ def run(args) -> tuple[str, str]:
     for rnd in range(args.rounds):
         order = ARMS if rnd % 2 == 0 else ARMS[::-1]
         for arm, label in order:
-            cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", MODEL, "--workers", "ray", "--policy",
-                   "quart", "--instances", str(INSTANCES), "--quart-stages", str(STAGES), "--quart-period-s",
-                   f"{PERIOD_S:g}", "--quart-cache", arm, "--batch-sizes", ",".join(map(str, BATCHES)),
-                   "--buckets", ",".join(map(str, BUCKETS)), "--cache-dir", args.cache_dir, "--max-queue", "4096",
-                   "--slo-ms", f"{SLO_MS:g}", "--port", str(args.port)]
+            cmd = [sys.executable, "-m", "jaxserve.cli", "serve", *serve_flags(arm), "--cache-dir", args.cache_dir,
+                   "--max-queue", "4096", "--port", str(args.port)]
             proc = start(cmd, url, log=args.log)
             try:
                 cost = load_cost_model(cost_path)
@@ -248,13 +254,16 @@ def run(args) -> tuple[str, str]:
     text = table(header, out)
     on = [x for r in rows if r["arm"] == "on" for x in r["load_s"]]
     off = [x for r in rows if r["arm"] == "off" for x in r["load_s"]]
-    notes = (f"`{' '.join(['jaxserve serve --policy quart --workers ray', f'--quart-stages {STAGES}', f'--instances {INSTANCES}', f'--quart-period-s {PERIOD_S:g}', f'--slo-ms {SLO_MS:g}', '--quart-cache on|off'])}` "
-             f"(MiniLM-L6, real weights, batches {BATCHES}, buckets {BUCKETS}), a fresh server per run, its cost model "
-             f"profiled at its first start on this machine. Open loop: Poisson at {BASE}x / {BURST}x / {BASE}x the whole "
-             f"model's priced capacity at batch 8 ({', '.join(f'{s * args.scale:.0f} s' for s, _ in PHASES)}), real tweets of <= "
-             f"{max(BUCKETS)} tokens to /v1/embeddings; latency (of answered requests) and SLO attainment (answered "
-             f"within the SLO over sent: late and evicted requests miss) by the phase of each request's send time. Replica "
-             f"loads (workers beyond the first {STAGES}): median {np.median(on) if on else float('nan'):.2f} s with the "
+    phases = ", ".join(f"{s * args.scale:.0f} s" for s, _ in PHASES)
+    notes = (f"`jaxserve serve {' '.join(serve_flags('on|off'))}` "
+             f"(MiniLM-L6, real weights), a fresh server per run, its cost model "
+             f"profiled at its first start on this machine. Open loop: Poisson at {BASE}x / {BURST}x / {BASE}x the "
+             f"whole "
+             f"model's priced capacity at batch 8 ({phases}), real tweets of <= {max(BUCKETS)} tokens to "
+             f"/v1/embeddings; latency (of answered requests) and SLO attainment (answered within the SLO over "
+             f"sent: late and evicted requests miss) by the phase of each request's send time. Replica "
+             f"loads (workers beyond the first {STAGES}): median {np.median(on) if on else float('nan'):.2f} s with "
+             f"the "
              f"cache (n={len(on)}), {np.median(off) if off else float('nan'):.2f} s without (n={len(off)}). "
              f"Whole run: {time.perf_counter() - t_start:.0f} s. The script's `run` docstring has the decisions.")
     return text, notes

@@ -30,7 +30,7 @@ from jaxserve.sched import (ASYFUNC_POLICIES, CASCADE_POLICIES, IMAGE_POLICIES, 
                             TEXT_STREAM_POLICIES,
                             baselines)
 from jaxserve.sched.arlo import ArloPolicy, TargetTrackingAutoscaler
-from jaxserve.sched.base import AccuracyProfile, Cell, CostModel, LatencyProfile, ShapeGrid
+from jaxserve.sched.base import AccuracyProfile, Cell, CostModel, LatencyProfile, ShapeGrid, Stage
 from jaxserve.sched.batching import DeadlineBatching
 from jaxserve.sched.otas import check_coverage, make_otas_policy
 from jaxserve.sched.tabi import TabiPolicy, choose, load_cascade_profile
@@ -412,6 +412,17 @@ def build_engine(settings: ServeSettings, stop: Callable[[], bool] | None = None
                   worker_factory=factory, catalog=catalog, cost_model=cost, correct_prices=settings.correct_prices)
 
 
+def stage_catalog(runners: Mapping[Stage, Any], what: str) -> Callable[[Stage], Any]:
+    """The engine's ``catalog``: the in-process runner of each stage in ``runners``, and a
+    KeyError naming ``what`` the stages belong to for any other."""
+    def catalog(stage: Stage) -> Any:
+        if stage not in runners:
+            raise KeyError(f"no runner for {stage.label()}: not a stage of {what}")
+        return runners[stage]
+
+    return catalog
+
+
 def make_asyfunc_workers(settings: ServeSettings, runtimes: Mapping[str, ModelRuntime], policy, cache,
                          stop: Callable[[], bool] | None = None):
     """(workers, factory, catalog) of a live AsyFunc policy. Every stage a body holds
@@ -433,11 +444,7 @@ def make_asyfunc_workers(settings: ServeSettings, runtimes: Mapping[str, ModelRu
     for runner in runners.values():  # their first calls' one-time costs, before ready (run_every_cell_once)
         prime_stage(runner, stop)
     runners[whole_stage(name, parent)] = parent
-
-    def catalog(stage):
-        if stage not in runners:
-            raise KeyError(f"no runner for {stage.label()}: not a stage of the AsyFunc policy's splits")
-        return runners[stage]
+    catalog = stage_catalog(runners, "the AsyFunc policy's splits")
 
     if settings.workers == "thread":
         workers = [ThreadWorker(b.id, catalog, stages) for b in policy.bodies()]
@@ -784,14 +791,8 @@ def make_quart_workers(settings: ServeSettings, runtimes: Mapping[str, ModelRunt
     runners = build_stage_runtimes(parent, stages, cache, progress=settings.progress, tune=settings.tune, stop=stop)
     for runner in runners.values():
         write_block_checkpoint(runner, cache.root, settings.precision)
-
-    def catalog(stage):
-        if stage not in runners:
-            raise KeyError(f"no runner for {stage.label()}: not a stage of the QUART pipeline")
-        return runners[stage]
-
     factory = QuartRayWorkers(WorkerSpec.from_settings(settings), stages, use_cache=settings.quart_cache)
-    return factory.initial(stages), factory, catalog
+    return factory.initial(stages), factory, stage_catalog(runners, "the QUART pipeline")
 
 
 def quart_stage_megabytes(model: str, stages) -> dict:
@@ -799,7 +800,6 @@ def quart_stage_megabytes(model: str, stages) -> dict:
     (4 h^2 + 2 h f weights and their biases and LayerNorms) plus, on the first stage, the
     embeddings; the whole model under ``Stage(model, 0, L, L)``."""
     from jaxserve.models.bert import BERT_CONFIGS
-    from jaxserve.sched.base import Stage
 
     cfg = BERT_CONFIGS[model]
     h, f = cfg.hidden_size, cfg.intermediate_size
@@ -824,7 +824,6 @@ def simulate_quart(variant: str, cost: CostModel, model: str, trace, *, workers:
     import math
 
     from jaxserve.sched import quart as q
-    from jaxserve.sched.base import Stage
     from jaxserve.simulator import Transfer, simulate
 
     if variant not in QUART_POLICIES:

@@ -586,8 +586,7 @@ class ScalingPipeline(PipelineBatching):
         total = self.totals[batch.stage]
         total.steps += 1
         total.busy_s += now - started
-        total.priced_s += self.cost.latency[batch.stage.model if batch.stage.whole else batch.stage.label()].latency(
-            batch.cell)
+        total.priced_s += self.profile(batch.stage).latency(batch.cell)
         super().on_completion(batch, now, summaries)
 
     # -- the simulator's binding ------------------------------------------------------------
@@ -601,10 +600,14 @@ class ScalingPipeline(PipelineBatching):
         return self._last_load_s.get(stage, 0.0)
 
     # -- measurements ------------------------------------------------------------------------
+    def profile(self, stage: Stage) -> LatencyProfile:
+        """The cost model's profile of ``stage``'s steps (the model's for a whole stage)."""
+        return self.cost.latency[stage.model if stage.whole else stage.label()]
+
     def metrics(self):
         """Per stage: replicas (live, loading and coming), ready replicas, queued requests and
-        its :class:`StageTotals`; the loads planned so far by where the policy expects the parameters from (``cache``,
-        ``page``, ``cold``: :meth:`ParameterCache.source`)."""
+        its :class:`StageTotals`; the loads planned so far by where the policy expects the
+        parameters from (``cache``, ``page``, ``cold``: :meth:`ParameterCache.source`)."""
         for s in self.stages:
             label = {"stage": s.label()}
             yield "quart_replicas", label, float(self.replicas(s))
@@ -635,7 +638,7 @@ class ScalingPipeline(PipelineBatching):
         """Requests per second one replica of ``stage`` serves at ``batch`` (default 1), by
         the cost model, at the sequence bucket its steps last ran with (at first the
         largest)."""
-        prof = self.cost.latency[stage.model if stage.whole else stage.label()]
+        prof = self.profile(stage)
         grid = self.grids[stage.model]
         seq = self._seq.get(stage, grid.max_length)
         b = batch or 1
@@ -762,7 +765,7 @@ class ScalingPipeline(PipelineBatching):
         comp = getattr(self, "cpu", None)
         if cores is None or comp is None:
             return None
-        prof = self.cost.latency[batch.stage.model if batch.stage.whole else batch.stage.label()]
+        prof = self.profile(batch.stage)
         return prof.latency(batch.cell) * comp.factor(cores)
 
 
