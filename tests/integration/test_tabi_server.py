@@ -69,9 +69,15 @@ def test_every_rerouted_answer_ran_both_levels_on_a_pruned_input_and_blends_them
         assert 0.5 <= result["confidence"] <= 1.0
         assert result["meta"]["outcome"] == "ok"
     assert sum(res["pruned_tokens"] for res in body["results"]) > 0  # alpha 1.0 pruned words
-    # the same texts again: the same answers (the draw is seeded by the text)
+    # the same texts again: the same answers (the draw is seeded by the text): the same words
+    # pruned and the same labels; probabilities to float32 rounding, since a request may share its
+    # batch (and so its padded executable) with other requests this time
     again = _classify(server, task="reviews", inputs=REVIEWS).json()
-    assert [a["probabilities"] for a in again["results"]] == [b["probabilities"] for b in body["results"]]
+    assert [a["pruned_tokens"] for a in again["results"]] == [b["pruned_tokens"] for b in body["results"]]
+    assert [a["label"] for a in again["results"]] == [b["label"] for b in body["results"]]
+    for a, b in zip(again["results"], body["results"]):
+        assert a["probabilities"].keys() == b["probabilities"].keys()
+        assert all(abs(a["probabilities"][k] - b["probabilities"][k]) < 1e-5 for k in a["probabilities"])
 
 
 def test_confident_requests_return_at_the_first_level(workdir, server):
