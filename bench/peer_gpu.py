@@ -117,7 +117,39 @@ def main():
     rows, ratios = [], {k: [] for k in peers}
     warm = {"ours": 0.0} | {k: 0.0 for k in peers if k != "eager"}
     tmp = Path(tempfile.mkdtemp())
-    for name in args.models.split(","):
+    models, done = args.models.split(","), []
+
+    def report(done: list[str]) -> None:
+        """Print and (``--out``) write the section for the models measured so far: a run cut
+        short by a GPU host's time limit still leaves its finished models."""
+        geo = {k: float(np.exp(np.mean(np.log(v)))) for k, v in ratios.items()}
+        text = table(["model", "B", "S", "ours ms", *(f"{titles[k]} ms" for k in peers),
+                      *(f"ours vs {titles[k]}" for k in peers),
+                      "TFLOP/s ours / " + " / ".join(titles[k] for k in peers), "max |Δemb|"], rows)
+        notes = ("Geometric means (>1: ours faster): "
+                 + ", ".join(f"vs {titles[k]} **{geo[k]:.2f}×**" for k in peers)
+                 + f"; ≥ 1.3× eager in {sum(r >= 1.3 for r in ratios['eager'])}/{len(rows)} cells, "
+                 f"≥ 1.0× torch.compile in {sum(r >= 1.0 for r in ratios['compile'])}/{len(rows)}.  \n"
+                 "Time to every first result: " + ", ".join(
+                     f"{'ours (AOT compile per cell)' if k == 'ours' else titles[k]} {v:.1f} s" for k, v in warm.items())
+                 + ".  \n"
+                 + ("Strict float32 on both sides (JAX matmul precision 'highest', torch TF32 off)" if strict else
+                    "TF32 matmuls on both sides (JAX's default precision, torch allow_tf32 on)")
+                 + f"; random weights, the "
+                 f"same on both sides; the last row of every batch half padding; torch {torch.__version__}, "
+                 f"transformers eager = attn_implementation 'sdpa'. Per call of a back-to-back stream of calls, "
+                 f"median of {args.rounds} interleaved rounds; ratios are medians of same-round ratios."
+                 + ("" if len(done) == len(models) else
+                    f"  \n**Partial:** {', '.join(done)} of {', '.join(models)} measured (the run stopped)."))
+        print(text)
+        print(notes)
+        if args.out:
+            from bench.common import section
+
+            title = "Peer on a GPU: ours vs PyTorch eager and torch.compile" + ("" if strict else " (TF32)")
+            Path(args.out).write_text(section(args.key, title, text, notes))
+
+    for name in models:
         cfg = BERT_CONFIGS[name]
         model = init_bert(cfg, seed=0)
         export_hf_bert(model, tmp / name)
@@ -164,30 +196,8 @@ def main():
                              *(f"{row_ratios[k]:.2f}×" for k in peers),
                              " / ".join(f"{tf / med[k]:.1f}" for k in ["ours", *peers]), f"{diff:.1e}"])
                 print(" | ".join(str(c) for c in rows[-1]), flush=True)
-    geo = {k: float(np.exp(np.mean(np.log(v)))) for k, v in ratios.items()}
-    text = table(["model", "B", "S", "ours ms", *(f"{titles[k]} ms" for k in peers),
-                  *(f"ours vs {titles[k]}" for k in peers),
-                  "TFLOP/s ours / " + " / ".join(titles[k] for k in peers), "max |Δemb|"], rows)
-    notes = ("Geometric means (>1: ours faster): "
-             + ", ".join(f"vs {titles[k]} **{geo[k]:.2f}×**" for k in peers)
-             + f"; ≥ 1.3× eager in {sum(r >= 1.3 for r in ratios['eager'])}/{len(rows)} cells, "
-             f"≥ 1.0× torch.compile in {sum(r >= 1.0 for r in ratios['compile'])}/{len(rows)}.  \n"
-             "Time to every first result: " + ", ".join(
-                 f"{'ours (AOT compile per cell)' if k == 'ours' else titles[k]} {v:.1f} s" for k, v in warm.items())
-             + ".  \n"
-             + ("Strict float32 on both sides (JAX matmul precision 'highest', torch TF32 off)" if strict else
-                "TF32 matmuls on both sides (JAX's default precision, torch allow_tf32 on)")
-             + f"; random weights, the "
-             f"same on both sides; the last row of every batch half padding; torch {torch.__version__}, "
-             f"transformers eager = attn_implementation 'sdpa'. Per call of a back-to-back stream of calls, "
-             f"median of {args.rounds} interleaved rounds; ratios are medians of same-round ratios.")
-    print(text)
-    print(notes)
-    if args.out:
-        from bench.common import section
-
-        title = "Peer on a GPU: ours vs PyTorch eager and torch.compile" + ("" if strict else " (TF32)")
-        Path(args.out).write_text(section(args.key, title, text, notes))
+        done.append(name)
+        report(done)
 
 
 if __name__ == "__main__":
