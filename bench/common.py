@@ -125,11 +125,15 @@ def git(*args: str, cwd: Path = ROOT) -> str:
 def commit_stamp(measures: tuple[str, ...] | list[str] = ()) -> str:
     """HEAD's hash, with ``+uncommitted`` when any of ``measures`` (or, with none given, any
     tracked file) differs from HEAD in the working tree: the numbers then measure code no
-    commit holds. Where the tree has no git (a copy sent to a GPU host), ``$JAXSERVE_BENCH_COMMIT``
-    names the commit the sender sent clean; else "unknown"."""
+    commit holds. ``$JAXSERVE_BENCH_COMMIT``, when set, wins: the commit a sender checked out clean
+    and copied to a GPU host, whose copy's git may name another (the lent device's did: an
+    older HEAD under the newer tree). "unknown" without either."""
+    sent = os.environ.get("JAXSERVE_BENCH_COMMIT")
+    if sent:
+        return sent
     head = git("rev-parse", "HEAD")
     if not head:
-        return os.environ.get("JAXSERVE_BENCH_COMMIT", "unknown")
+        return "unknown"
     dirty = git("status", "--porcelain", "--untracked-files=no", "--", *measures) if measures else \
         git("status", "--porcelain", "--untracked-files=no")
     return head + (" +uncommitted" if dirty else "")

@@ -224,10 +224,17 @@ def _peer_gpu(p):
     slow_txt = ""
     if slow:
         cells = ", ".join(_cell_name(r) for r in slow)
-        slow_txt = (f" ({min(num(r['ours vs torch.compile']) for r in slow):.2f}–"
-                    f"{max(num(r['ours vs torch.compile']) for r in slow):.2f}× at {cells})")
-    return (f"geo-mean {m.group(1)}× / {m.group(2)}× / {m.group(3)}× over {m.group(5)} cells; ≥ 1.3× eager in "
-            f"{m.group(4)}/{m.group(5)}, ≥ 1.0× torch.compile in {m.group(6)}/{m.group(7)}{slow_txt}")
+        lo, hi = (f(num(r["ours vs torch.compile"]) for r in slow) for f in (min, max))
+        span = f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}–{hi:.2f}"
+        slow_txt = f" ({span}× at {cells})"
+    return (f"geo-mean {m.group(1)}× / {m.group(2)}× / {m.group(3)}× over {m.group(5)} cells{_partial(p)}; ≥ 1.3× "
+            f"eager in {m.group(4)}/{m.group(5)}, ≥ 1.0× torch.compile in {m.group(6)}/{m.group(7)}{slow_txt}")
+
+
+def _partial(p) -> str:
+    """' (MODELS only: the run stopped)' for a section a time limit cut short, else ''."""
+    m = re.search(r"\*\*Partial:\*\* (.+?) of .+? measured", p.s.text)
+    return f" ({m.group(1)} only: the run stopped)" if m else ""
 
 
 def _first_results(p):
@@ -237,10 +244,12 @@ def _first_results(p):
 def _peer_gpu_tf32(t, strict):
     m = _gpu_means(t)
     ft, fs = _first_results(t), _first_results(strict)
-    return (f"geo-mean {m.group(1)}× / {m.group(2)}× / {m.group(3)}×; ≥ 1.3× eager in {m.group(4)}/{m.group(5)}, "
-            f"≥ 1.0× torch.compile in {m.group(6)}/{m.group(7)}; grid warmup ours {float(ft.group(1)):.0f} s vs "
-            f"torch.compile {float(ft.group(2)):.0f} s (strict fp32: {float(fs.group(1)):.0f} s vs "
-            f"{float(fs.group(2)):.0f} s)")
+    # the strict run's warmup compares only when it covered the same grid (not cut short)
+    same = not _partial(strict) and not _partial(t)
+    return (f"geo-mean {m.group(1)}× / {m.group(2)}× / {m.group(3)}×{_partial(t)}; ≥ 1.3× eager in "
+            f"{m.group(4)}/{m.group(5)}, ≥ 1.0× torch.compile in {m.group(6)}/{m.group(7)}; grid warmup ours "
+            f"{float(ft.group(1)):.0f} s vs torch.compile {float(ft.group(2)):.0f} s"
+            + (f" (strict fp32: {float(fs.group(1)):.0f} s vs {float(fs.group(2)):.0f} s)" if same else ""))
 
 
 def _http(load):
