@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -38,6 +39,7 @@ from jaxserve.launch import (
     make_policy,
     profile_latency,
     cascade_profile_path,
+    quart_cut,
     simulate_asyfunc,
     simulate_cascade,
     simulate_quart,
@@ -130,13 +132,15 @@ def cmd_warmup(args) -> int:
             stages = ()
             if "asyfunc" in settings.extra:
                 stages = [s for s in settings.extra["asyfunc"]["model"].body_stages() if not s.whole]
-            elif args.policy == "quart":
-                from jaxserve.quart_exec import even_stages  # (its Ray half only where ray is installed)
-
+            elif args.policy == "quart":  # cut as serve will cut it (launch.quart_cut)
                 try:
-                    stages = even_stages(name, rt.num_layers, args.quart_stages)
+                    quart = quart_cut(dataclasses.replace(settings, quart_stages=args.quart_stages), name,
+                                      rt.num_layers)
                 except ValueError as exc:
                     raise CliError(f"--quart-stages: {exc}") from None
+                stages = quart["stages"]
+                print(f"{name}: {len(stages)} stages by {quart['cut']}: "
+                      + " ".join(s.label() for s in stages))
             elif args.stages:
                 try:
                     stages = split_stages(name, rt.num_layers, args.stages)
@@ -766,10 +770,12 @@ def main(argv: list[str] | None = None) -> int:
                          "workers that hold stages; the whole model is always compiled)")
     sp.add_argument("--layer-profile", type=_existing_file, default=None,
                     help="--policy asyfunc*: the layer profile (default: the one next to the cache's cost "
-                         "model); warmup then compiles its grid and every stage its bodies hold")
+                         "model); warmup then compiles its grid and every stage its bodies hold. --policy "
+                         "quart: the per-layer costs its stages are balanced by")
     sp.add_argument("--quart-stages", type=POSITIVE_INT, default=3,
-                    help="--policy quart: compile the model cut into this many stages of equal layers, and "
-                         "write each stage's checkpoint (what its replicas read)")
+                    help="--policy quart: compile the model cut into this many stages (balanced by the layer "
+                         "profile's per-layer costs where it profiles the model, else of equal layers, as "
+                         "serve cuts it), and write each stage's checkpoint (what its replicas read)")
     sp.set_defaults(fn=cmd_warmup)
 
     sp = sub.add_parser("serve", help="start the HTTP server")
@@ -832,7 +838,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="arlo: start N of the --instances worker slots and scale by target tracking (§4)")
     sp.add_argument("--layer-profile", type=_existing_file, default=None,
                     help="asyfunc*: the layer profile (jaxserve profile --layers; default: the one next to the "
-                         "cost model). The served grid becomes its bucket at batches 1, 2, 4")
+                         "cost model). The served grid becomes its bucket at batches 1, 2, 4. quart: the "
+                         "per-layer costs its stages are balanced by")
     sp.add_argument("--asyfunc-period-s", type=POSITIVE, default=60.0,
                     help="asyfunc*: model-level scaling period (paper: 60 s)")
     sp.add_argument("--body-cores", type=POSITIVE_INT, default=None,
@@ -841,7 +848,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--node-cores", type=POSITIVE_INT, default=None,
                     help="asyfunc*: cores bodies and shadows may hold in all (default: this machine's)")
     sp.add_argument("--quart-stages", type=POSITIVE_INT, default=3,
-                    help="quart: stages of equal layers the model is cut into, one Ray worker each at start "
+                    help="quart: stages the model is cut into, balanced by the layer profile's per-layer "
+                         "costs where it profiles the model (else equal layers), one Ray worker each at start "
                          "(--instances: the most workers the policy may run)")
     sp.add_argument("--quart-period-s", type=POSITIVE, default=1.0, help="quart: control period")
     sp.add_argument("--quart-cache", choices=("on", "off"), default="on",

@@ -97,9 +97,9 @@ class ServeSettings:
     asyfunc_body_cores: int | None = None
     asyfunc_node_cores: int | None = None
     # QUART (--policy quart; jaxserve/sched/quart.py, jaxserve/quart_exec.py): the text model cut
-    # into this many stages of equal layers, one Ray worker each at start (`instances` is the most
-    # workers the policy may run), the control period, and the parameter cache (warm pool worker
-    # and the KeysManager) on or off
+    # into this many stages (balanced by the layer profile, else equal layers: quart_cut), one Ray
+    # worker each at start (`instances` is the most workers the policy may run), the control
+    # period, and the parameter cache (warm pool worker and the KeysManager) on or off
     quart_stages: int = 3
     quart_period_s: float = 1.0
     quart_cache: bool = True
@@ -520,9 +520,9 @@ def settle_heap() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-def asyfunc_layers_path(settings: ServeSettings) -> Path:
-    """The layer profile a live AsyFunc policy plans with: ``--layer-profile``, else the one
-    ``jaxserve profile --layers`` writes next to the cost model."""
+def layers_profile_path(settings: ServeSettings) -> Path:
+    """The layer profile live AsyFunc plans with and live QUART cuts by: ``--layer-profile``,
+    else the one ``jaxserve profile --layers`` writes next to the cost model."""
     from jaxserve.layer_profile import layers_path
 
     if settings.layer_profile:
@@ -549,7 +549,7 @@ def with_asyfunc(settings: ServeSettings) -> ServeSettings:
         raise ValueError(f"--policy {settings.policy} serves exactly one text model live (--model minilm-l6); got "
                          f"{', '.join(settings.models)} (images: jaxserve simulate --policy {settings.policy})")
     name = settings.models[0]
-    path = asyfunc_layers_path(settings)
+    path = layers_profile_path(settings)
     if not path.exists():
         raise ValueError(f"--policy {settings.policy} plans with a layer profile: {path} is missing (jaxserve "
                          f"profile --layers --model {name}, or --layer-profile PATH)")
@@ -715,19 +715,45 @@ QUART_NOT_LIVE = ("--policy quart-infless, quart-inferline and quart-cocktail (Q
                   "cache on or off (--quart-cache off)")
 
 
+def quart_cut(settings: ServeSettings, name: str, num_layers: int) -> dict:
+    """How live QUART cuts ``name`` into ``quart_stages`` stages, the same at warmup and serve:
+    by the per-layer costs of the layer profile (:func:`layers_profile_path`, when it profiles
+    ``name``; :func:`jaxserve.sched.quart.profile_layer_costs` at the grid's largest batch and
+    this process's cores, cut by :func:`jaxserve.quart_exec.pipeline_stages`), else into stages
+    of equal layers. Returns ``{"stages", "layer_costs" (None: equal), "cut" (how, in words)}``;
+    ValueError for a stage count the model cannot take."""
+    import json
+    import os
+
+    from jaxserve.quart_exec import pipeline_stages
+    from jaxserve.sched.quart import profile_layer_costs
+
+    path = layers_profile_path(settings)
+    profile = json.loads(path.read_text()).get("models", {}).get(name) if path.exists() else None
+    costs, cut = None, f"equal layers (no layer profile of {name} at {path})"
+    if profile is not None and int(profile.get("num_layers", -1)) == num_layers:
+        grid = settings.text_grid or registry.text_grid(name)
+        try:
+            costs, b, c = profile_layer_costs(profile, max(grid.batch_sizes), len(os.sched_getaffinity(0)))
+            cut = f"the layer profile {path} (batch {b}, {c} cores)"
+        except KeyError:
+            pass
+    stages = pipeline_stages(name, num_layers, settings.quart_stages, costs)
+    return {"stages": stages, "layer_costs": costs, "cut": cut}
+
+
 def with_quart(settings: ServeSettings) -> ServeSettings:
     """``settings`` for a live QUART pipeline: its one BERT-family text model cut into
-    ``quart_stages`` stages of equal layers (:func:`jaxserve.quart_exec.even_stages`), kept in
-    ``extra["quart"]["stages"]``, so warmup compiles those stages. Other policies' settings are
-    returned as they are. ValueError with the reason: a baseline (simulation only), not one
-    BERT-family text model, not Ray workers (the parameter cache is Ray's object store), fewer
-    ``instances`` (worker slots) than stages."""
+    ``quart_stages`` stages (:func:`quart_cut`: by the layer profile, else equal layers), kept
+    in ``extra["quart"]`` (``stages``, ``layer_costs``, ``cut``), so warmup compiles those
+    stages. Other policies' settings are returned as they are. ValueError with the reason: a
+    baseline (simulation only), not one BERT-family text model, not Ray workers (the parameter
+    cache is Ray's object store), fewer ``instances`` (worker slots) than stages."""
     if settings.policy not in QUART_POLICIES:
         return settings
     if settings.policy != "quart":
         raise ValueError(QUART_NOT_LIVE)
     from jaxserve.models.bert import BERT_CONFIGS
-    from jaxserve.quart_exec import even_stages
 
     if len(settings.models) != 1 or settings.models[0] not in registry.TEXT_MODELS \
             or settings.models[0] not in BERT_CONFIGS:
@@ -737,27 +763,29 @@ def with_quart(settings: ServeSettings) -> ServeSettings:
         raise ValueError("--policy quart runs its stages on Ray workers, whose nodes keep the parameter cache: "
                          "--workers ray")
     name = settings.models[0]
-    stages = even_stages(name, BERT_CONFIGS[name].num_layers, settings.quart_stages)
-    if settings.instances < len(stages):
-        raise ValueError(f"--policy quart: {len(stages)} stages need --instances (worker slots) >= {len(stages)}, "
-                         f"got {settings.instances}")
-    return dataclasses.replace(settings, extra={**settings.extra, "quart": {"stages": stages}})
+    quart = quart_cut(settings, name, BERT_CONFIGS[name].num_layers)
+    if settings.instances < len(quart["stages"]):
+        raise ValueError(f"--policy quart: {len(quart['stages'])} stages need --instances (worker slots) >= "
+                         f"{len(quart['stages'])}, got {settings.instances}")
+    return dataclasses.replace(settings, extra={**settings.extra, "quart": quart})
 
 
 def make_quart_policy(settings: ServeSettings, grids: Mapping[str, ShapeGrid], cost: CostModel):
     """QUART over the stages :func:`with_quart` cut, live: one server (this node) with
     ``instances`` worker slots, one worker per stage at start (ids in chain order), each
     stage priced at its share of the whole model's profile (``stage_cost_model``, as
-    ``jaxserve simulate --policy quart`` prices them), the SLO ``--slo-ms`` (default: 2x the
+    ``jaxserve simulate --policy quart`` prices them; the share of the layer profile's costs
+    where the cut used them, else of the layers), the SLO ``--slo-ms`` (default: 2x the
     whole model's profiled batch-1 time at its longest bucket, the factor quart_sim plans
     with), the Ray hop between stages, the control period ``quart_period_s``. With the cache
     on, the policy's model of it starts holding every stage (each stage worker's first load
     caches it); off, every new replica loads from disk."""
     from jaxserve.sched import quart as q
 
-    stages = (settings.extra.get("quart") or with_quart(settings).extra["quart"])["stages"]
+    quart = settings.extra.get("quart") or with_quart(settings).extra["quart"]
+    stages = quart["stages"]
     name = stages[0].model
-    stage_cost = q.stage_cost_model(cost, name, stages)
+    stage_cost = q.stage_cost_model(cost, name, stages, quart.get("layer_costs"))
     mb = quart_stage_megabytes(name, stages)
     servers = [q.Server(0, settings.instances)]
     cache = q.ParameterCache(servers)
@@ -788,6 +816,8 @@ def make_quart_workers(settings: ServeSettings, runtimes: Mapping[str, ModelRunt
         raise ValueError("--policy quart needs a compile cache (--cache-dir): its stage replicas load from it")
     (name, parent), = runtimes.items()
     stages = settings.extra["quart"]["stages"]
+    log.info("QUART: %s cut into %d stages by %s: %s", name, len(stages), settings.extra["quart"]["cut"],
+             " ".join(s.label() for s in stages))
     runners = build_stage_runtimes(parent, stages, cache, progress=settings.progress, tune=settings.tune, stop=stop)
     for runner in runners.values():
         write_block_checkpoint(runner, cache.root, settings.precision)

@@ -126,3 +126,22 @@ class SmallThenBig(Policy):
             batches.append(Batch(tuple(ids), "small", Cell(self.batch), idle.pop(0), final=False))
         finish, self.done = tuple(self.done), []
         return Plan(tuple(batches), finish=finish)
+
+
+def layer_profile_entry(num_layers: int, per_layer: dict, edge=(0.5, 0.1)) -> dict:
+    """A model's entry in a layer-profile file (jaxserve.layer_profile's format): ``per_layer``
+    {cores: [seconds per layer at batch 1]}, split into attention and MLP halves, scaled by the
+    batch; embeddings and pooling ``edge`` seconds."""
+    by_cores = {}
+    for cores, layers in per_layer.items():
+        units = [dict(name="embeddings", kind="embeddings", layer=-1,
+                      latency={str(b): edge[0] * b for b in (1, 2, 4, 8)})]
+        for k, t in enumerate(layers):
+            for half, share in (("attn", 0.4), ("mlp", 0.6)):
+                units.append(dict(name=f"L{k}.{half}", kind=half, layer=k,
+                                  latency={str(b): t * share * b for b in (1, 2, 4, 8)}))
+        units.append(dict(name="pool", kind="pool", layer=num_layers,
+                          latency={str(b): edge[1] * b for b in (1, 2, 4, 8)}))
+        by_cores[str(cores)] = units
+    return {"num_layers": num_layers, "seq": 64, "units": by_cores[max(by_cores, key=int)],
+            "units_by_cores": by_cores}

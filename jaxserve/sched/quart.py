@@ -60,7 +60,7 @@ from jaxserve.sched.base import (Batch, CostModel, LatencyProfile, PlacementChan
 from jaxserve.sched.pipeline import PipelineBatching
 
 __all__ = [
-    "cut_stages", "erlang_c", "mmc_delay", "mmc_wait", "replicas_for", "PID", "CvPropagation", "smoothing_beta",
+    "cut_stages", "profile_layer_costs", "erlang_c", "mmc_delay", "mmc_wait", "replicas_for", "PID", "CvPropagation", "smoothing_beta",
     "smooth_allocation", "fit_linear", "CpuCompensator", "Server", "LoadModel", "ParameterCache", "kl_to_uniform",
     "choose_server", "ScalingPipeline", "StageTotals", "QuartPolicy", "InflessLike", "InferlineLike", "CocktailLike",
     "stage_cost_model",
@@ -69,37 +69,82 @@ __all__ = [
 
 # -- stage cutting ---------------------------------------------------------------------------
 
-def cut_stages(model: str, layer_costs: Sequence[float], max_stages: int = 8) -> tuple[Stage, ...]:
+def cut_stages(model: str, layer_costs: Sequence[float], max_stages: int = 8,
+               tolerance: float = 0.0) -> tuple[Stage, ...]:
     """Cut ``model`` (one cost per layer, in any unit) into at most ``max_stages`` contiguous
     stages minimising the most expensive stage (the pipeline's bottleneck), by dynamic
     programming over cut points; among equal bottlenecks, fewer stages are never preferred
     over ``max_stages`` (every layer count allows ``min(max_stages, L)`` stages, all used).
-    The paper cuts evenly by layer count (DeepSpeed); with equal layer costs this is that."""
+    The paper cuts evenly by layer count (DeepSpeed); with equal layer costs this is that.
+
+    ``tolerance`` > 0: of the cuts whose bottleneck is within ``(1 + tolerance)`` of the least,
+    the one whose largest stage has the fewest layers (the most even by layer count). A measured
+    profile of identical layers differs layer to layer by its noise, and the least bottleneck
+    alone would then cut unevenly on noise; a tolerance of about that noise keeps the even cut
+    unless the profile's differences are larger than it."""
     costs = [float(c) for c in layer_costs]
     n = len(costs)
     if n == 0 or any(c < 0 for c in costs):
         raise ValueError("need one non-negative cost per layer")
+    if tolerance < 0:
+        raise ValueError("tolerance must be >= 0")
     k = max(1, min(max_stages, n))
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    inf = math.inf
-    # best[j][i]: the smallest bottleneck of layers [0, i) in j stages; cut[j][i]: the last cut
-    best = [[inf] * (n + 1) for _ in range(k + 1)]
-    cut = [[0] * (n + 1) for _ in range(k + 1)]
-    best[0][0] = 0.0
-    for j in range(1, k + 1):
-        for i in range(j, n + 1):
-            for p in range(j - 1, i):
-                v = max(best[j - 1][p], prefix[i] - prefix[p])
-                if v < best[j][i] - 1e-15:
-                    best[j][i], cut[j][i] = v, p
+
+    def solve(size, cap):
+        """best[j][i]: the least max ``size(p, i)`` of layers [0, i) in j stages, each stage's
+        cost within ``cap``; cut[j][i]: its last cut."""
+        best = [[math.inf] * (n + 1) for _ in range(k + 1)]
+        cut = [[0] * (n + 1) for _ in range(k + 1)]
+        best[0][0] = 0.0
+        for j in range(1, k + 1):
+            for i in range(j, n + 1):
+                for p in range(j - 1, i):
+                    if prefix[i] - prefix[p] > cap:
+                        continue
+                    v = max(best[j - 1][p], size(p, i))
+                    if v < best[j][i] - 1e-15:
+                        best[j][i], cut[j][i] = v, p
+        return best, cut
+
+    best, cut = solve(lambda p, i: prefix[i] - prefix[p], math.inf)
+    if tolerance > 0:
+        cap = best[k][n] * (1 + tolerance) + 1e-12
+        _, cut = solve(lambda p, i: float(i - p), cap)
     bounds, i = [], n
     for j in range(k, 0, -1):
         p = cut[j][i]
         bounds.append((p, i))
         i = p
     return tuple(Stage(model, a, b, n) for a, b in reversed(bounds))
+
+
+def profile_layer_costs(profile: Mapping, batch: int, cores: int | None = None) -> tuple[list[float], int, int]:
+    """One cost per layer from a model's layer profile (the ``models[name]`` entry of
+    ``jaxserve profile --layers``'s file, :mod:`jaxserve.layer_profile`): layer k's units'
+    (``L{k}.attn``, ``L{k}.mlp``) latencies at ``batch``, the units before the layers
+    (embeddings, patch embedding) on layer 0 and those after them (pooling, head) on the last,
+    as the engine's stages hold them. The batch is the largest profiled one <= ``batch`` (else
+    the smallest), the core count the largest profiled one <= ``cores`` (None: the most; else
+    the smallest). Returns (costs, the batch, the cores used). KeyError if it has no units."""
+    by_cores = {int(c): us for c, us in (profile.get("units_by_cores") or {}).items()}
+    if not by_cores:
+        if not profile.get("units"):
+            raise KeyError("the layer profile has no units")
+        by_cores = {0: profile["units"]}
+    fit = [c for c in by_cores if cores is None or c <= cores]
+    c = max(fit) if fit else min(by_cores)
+    units = by_cores[c]
+    batches = sorted({int(b) for u in units for b in u["latency"]})
+    fit_b = [b for b in batches if b <= batch]
+    b = max(fit_b) if fit_b else batches[0]
+    n = int(profile["num_layers"])
+    costs = [0.0] * n
+    for u in units:
+        costs[min(max(int(u["layer"]), 0), n - 1)] += float(u["latency"][str(b)])
+    return costs, b, c
 
 
 # -- queueing (§5.1) -------------------------------------------------------------------------

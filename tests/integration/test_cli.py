@@ -536,9 +536,21 @@ def test_quart_warms_its_stages_and_their_checkpoints_and_serve_checks_its_setti
     out = run("warmup", "--policy", "quart", "--quart-stages", "2", "--model", "minilm-l6", "--batch-sizes", "1,2",
               "--buckets", "16", "--no-tune", "--cache-dir", cache)
     assert out.returncode == 0, out.stderr[-2000:]
+    assert "minilm-l6: 2 stages by equal layers (no layer profile" in out.stdout, out.stdout
     for label in ("minilm-l6[0:3]", "minilm-l6[3:6]"):
         assert f"{label}: 2 executables" in out.stdout, out.stdout
         assert f"{label}: checkpoint written" in out.stdout, out.stdout
+    # a layer profile whose first layer costs 3x the others: balanced, the cut moves to [0:2) [2:6)
+    from support import layer_profile_entry
+
+    prof = tmp_path / "layers.json"
+    prof.write_text(json.dumps({"models": {"minilm-l6": layer_profile_entry(6, {1: [3.0, 1, 1, 1, 1, 1]}, (0, 0))}}))
+    cut = run("warmup", "--policy", "quart", "--quart-stages", "2", "--model", "minilm-l6", "--batch-sizes", "1,2",
+              "--buckets", "16", "--no-tune", "--cache-dir", cache, "--layer-profile", str(prof))
+    assert cut.returncode == 0, cut.stderr[-2000:]
+    assert f"minilm-l6: 2 stages by the layer profile {prof} (batch 2, 1 cores)" in cut.stdout, cut.stdout
+    for label in ("minilm-l6[0:2]", "minilm-l6[2:6]"):
+        assert f"{label}: checkpoint written" in cut.stdout, cut.stdout
     again = run("warmup", "--policy", "quart", "--quart-stages", "2", "--model", "minilm-l6", "--batch-sizes", "1,2",
                 "--buckets", "16", "--no-tune", "--cache-dir", cache)
     assert "minilm-l6[3:6]: checkpoint up to date" in again.stdout and "2 executables (2 serialized)" in again.stdout

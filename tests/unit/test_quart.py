@@ -14,6 +14,7 @@ from jaxserve.sched.quart import (PID, CocktailLike, CpuCompensator, CvPropagati
                                   erlang_c, fit_linear, kl_to_uniform, mmc_delay, mmc_wait, replicas_for,
                                   smooth_allocation, smoothing_beta)
 from jaxserve.simulator import simulate
+from support import layer_profile_entry
 from jaxserve.traces import make_trace
 
 
@@ -53,6 +54,67 @@ def test_cut_stages_balances_cost_and_cuts_evenly_when_layers_are_equal():
     stages = cut_stages("m", [5.0, 1, 1, 1, 1, 1], 2)
     assert [(s.start, s.stop) for s in stages] == [(0, 1), (1, 6)]
     assert len(cut_stages("m", [1.0] * 3, 8)) == 3
+
+
+def _all_cuts(n: int, k: int):
+    """Every cut of n layers into k contiguous non-empty stages, as (start, stop) pairs."""
+    import itertools
+
+    for points in itertools.combinations(range(1, n), k - 1):
+        b = (0, *points, n)
+        yield [(b[i], b[i + 1]) for i in range(k)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cut_stages_with_a_tolerance_is_the_most_even_cut_near_the_least_bottleneck_by_brute_force(seed):
+    """Against enumeration: the bottleneck is within (1 + tolerance) of the least over all cuts,
+    and no cut within it has a smaller largest stage (in layers); tolerance 0 is the least."""
+    rng = np.random.default_rng(seed)
+    n, k = int(rng.integers(4, 10)), int(rng.integers(2, 5))
+    costs = list(rng.uniform(0.5, 1.5, n) * (1 + 3 * (rng.random(n) < 0.2)))
+    cost = lambda cut: max(sum(costs[a:b]) for a, b in cut)  # noqa: E731
+    cuts = list(_all_cuts(n, k))
+    least = min(cost(c) for c in cuts)
+    exact = [(s.start, s.stop) for s in cut_stages("m", costs, k)]
+    assert cost(exact) == pytest.approx(least)
+    for tol in (0.05, 0.2, 1.0):
+        got = [(s.start, s.stop) for s in cut_stages("m", costs, k, tolerance=tol)]
+        assert len(got) == k and got[0][0] == 0 and got[-1][1] == n
+        assert cost(got) <= least * (1 + tol) + 1e-9
+        near = [c for c in cuts if cost(c) <= least * (1 + tol) + 1e-9]
+        assert max(b - a for a, b in got) == min(max(b - a for a, b in c) for c in near)
+    with pytest.raises(ValueError):
+        cut_stages("m", costs, k, tolerance=-0.1)
+
+
+def test_a_profile_cut_keeps_equal_layers_on_noise_and_moves_for_a_real_difference():
+    from jaxserve.quart_exec import CUT_TOLERANCE, pipeline_stages
+
+    noisy = [12.2, 12.0, 12.8, 14.6, 11.6, 14.8]  # MiniLM's six identical layers as profiled on 2 cores
+    assert [(s.start, s.stop) for s in pipeline_stages("m", 6, 3, noisy)] == [(0, 2), (2, 4), (4, 6)]
+    assert [(s.start, s.stop) for s in pipeline_stages("m", 6, 3)] == [(0, 2), (2, 4), (4, 6)]
+    heavy = [3.0, 1, 1, 1, 1, 1]  # a first layer carrying a large embedding: 2/2/2 would be 4
+    got = pipeline_stages("m", 6, 3, heavy)
+    assert got[0].stop == 1 and max(sum(heavy[s.start:s.stop]) for s in got) <= 3 * (1 + CUT_TOLERANCE)
+    with pytest.raises(ValueError, match="6 layers"):
+        pipeline_stages("m", 6, 3, heavy[:5])
+    with pytest.raises(ValueError, match="2 to 6 stages"):
+        pipeline_stages("m", 6, 7, heavy)
+
+
+def test_profile_layer_costs_charges_the_edges_to_the_end_layers_at_the_batch_and_cores_asked():
+    from jaxserve.sched.quart import profile_layer_costs
+
+    prof = layer_profile_entry(3, {1: [1.0, 2.0, 3.0], 2: [0.5, 1.0, 1.5]})
+    costs, b, c = profile_layer_costs(prof, batch=6, cores=2)
+    assert (b, c) == (4, 2)  # the largest profiled batch <= 6, the largest core count <= 2
+    assert costs == pytest.approx([(0.5 + 0.5) * 4, 1.0 * 4, (1.5 + 0.1) * 4])
+    costs, b, c = profile_layer_costs(prof, batch=8, cores=1)
+    assert (b, c) == (8, 1) and costs == pytest.approx([(1.0 + 0.5) * 8, 2.0 * 8, (3.0 + 0.1) * 8])
+    assert profile_layer_costs(prof, batch=8, cores=None)[2] == 2
+    assert profile_layer_costs(prof, batch=8, cores=16)[2] == 2
+    with pytest.raises(KeyError):
+        profile_layer_costs({"num_layers": 3}, batch=8)
 
 
 def test_cv_propagation_fit_recovers_its_own_model():
@@ -301,7 +363,7 @@ def test_live_quart_cuts_even_stages_one_worker_each_on_one_server_caching_each(
     from jaxserve.launch import ServeSettings, make_policy, with_quart
 
     settings = with_quart(ServeSettings(policy="quart", workers="ray", models=("minilm-l6",), instances=5,
-                                        quart_period_s=0.5))
+                                        quart_period_s=0.5, layer_profile="/nonexistent/layers.json"))
     stages = settings.extra["quart"]["stages"]
     assert [(s.start, s.stop) for s in stages] == [(0, 2), (2, 4), (4, 6)]
     grid = ShapeGrid((1, 2, 4), (64,))
@@ -316,3 +378,30 @@ def test_live_quart_cuts_even_stages_one_worker_each_on_one_server_caching_each(
     off = make_policy(ServeSettings(**{**settings.__dict__, "quart_cache": False}),
                       {"minilm-l6": type("M", (), {"grid": grid})()}, cost)
     assert not off.use_cache and not any(off.cache.holds(0, s) for s in stages)
+
+
+def test_live_quart_cuts_by_the_layer_profile_and_prices_each_stage_at_its_profiled_share(tmp_path):
+    """With a layer profile of the served model (--layer-profile), the cut and the stage prices
+    follow its per-layer costs (here a first layer three times the others: 2/2/2 would make it
+    the bottleneck); without one, equal layers, and the settings say which."""
+    import json
+
+    from jaxserve.launch import ServeSettings, make_policy, with_quart
+
+    path = tmp_path / "layers.json"
+    path.write_text(json.dumps({"models": {"minilm-l6": layer_profile_entry(6, {1: [3.0, 1, 1, 1, 1, 1]}, (0.0, 0.0))}}))
+    base = dict(policy="quart", workers="ray", models=("minilm-l6",), instances=5,
+                text_grid=ShapeGrid((1, 2, 4), (64,)))
+    settings = with_quart(ServeSettings(**base, layer_profile=str(path)))
+    quart = settings.extra["quart"]
+    assert quart["stages"][0].stop == 1 and str(path) in quart["cut"] and "batch 4" in quart["cut"]
+    assert quart["layer_costs"] == pytest.approx([12.0, 4, 4, 4, 4, 4])
+    grid = ShapeGrid((1, 2, 4), (64,))
+    cost = CostModel({"minilm-l6": LatencyProfile("minilm-l6", {Cell(b, 64): 0.08 * b for b in (1, 2, 4)})})
+    policy = make_policy(settings, {"minilm-l6": type("M", (), {"grid": grid})()}, cost)
+    for s in quart["stages"]:
+        share = sum(quart["layer_costs"][s.start:s.stop]) / 32
+        assert policy.cost.latency[s.label()].latency(Cell(2, 64)) == pytest.approx(0.16 * share)
+    plain = with_quart(ServeSettings(**base, layer_profile=str(tmp_path / "missing.json")))
+    assert [(s.start, s.stop) for s in plain.extra["quart"]["stages"]] == [(0, 2), (2, 4), (4, 6)]
+    assert plain.extra["quart"]["layer_costs"] is None and "equal layers" in plain.extra["quart"]["cut"]
