@@ -38,6 +38,7 @@ from jaxserve.launch import (
     make_asyfunc_policy,
     make_policy,
     profile_latency,
+    profiled_layer_costs,
     cascade_profile_path,
     quart_cut,
     simulate_asyfunc,
@@ -579,9 +580,10 @@ def cmd_simulate(args) -> int:
 
 def _simulate_quart(args) -> int:
     """--policy quart (or a baseline): --sim-model (default minilm-l6) cut into up to 8 stages on
-    --instances worker slots, 4 to a server (launch.simulate_quart); every request is answered
-    (no deadline: latency counts them all), and the SLO the policies plan with is --slo-ms
-    (default: 2x the profiled batch-1 time at the largest bucket)."""
+    --instances worker slots, 4 to a server (launch.simulate_quart), balanced by the layer
+    profile next to --cost-model where it profiles the model (as serve cuts), else of equal
+    layers; every request is answered (no deadline: latency counts them all), and the SLO the
+    policies plan with is --slo-ms (default: 2x the profiled batch-1 time at the largest bucket)."""
     if args.trace not in ("poisson", "mmpp", "gamma"):
         raise CliError(f"--policy {args.policy} simulates generated arrivals (poisson, mmpp, gamma)")
     cost = load_cost_model(args.cost_model)
@@ -593,10 +595,17 @@ def _simulate_quart(args) -> int:
     slo = args.slo_ms / 1e3 if args.slo_ms else 2 * cost.latency[model].latency_for(1, seq)
     arrivals = _arrivals(args)
     trace = traces.make_trace(arrivals, model=model, length=seq)
+    from jaxserve.layer_profile import layers_path
+    from jaxserve.models.bert import BERT_CONFIGS
+
+    layer_costs, cut = profiled_layer_costs(layers_path(args.cost_model), model,
+                                            BERT_CONFIGS[model].num_layers if model in BERT_CONFIGS else -1,
+                                            max(grid.batch_sizes))
     t0 = time.perf_counter()
     try:
         result, policy = simulate_quart(args.policy, cost, model, trace, workers=args.instances, slo_s=slo,
-                                        planned_rate=args.rate, latency_noise=args.latency_noise, seed=args.seed)
+                                        planned_rate=args.rate, latency_noise=args.latency_noise, seed=args.seed,
+                                        layer_costs=layer_costs)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     wall = time.perf_counter() - t0
@@ -608,7 +617,7 @@ def _simulate_quart(args) -> int:
                "max_workers": max((sum(r) for _, r in policy.replica_log), default=0),
                "loads": sum(1 for e in policy.events if e[1] == "load"),
                "loads_from_cache": sum(1 for e in policy.events if e[1] == "load" and e[4] == "cache"),
-               "stages": [s.label() for s in policy.stages], "wall_seconds": wall}
+               "stages": [s.label() for s in policy.stages], "cut_by": cut, "wall_seconds": wall}
     print(json.dumps(summary, indent=1, default=float))
     return 0
 

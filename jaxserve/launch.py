@@ -16,7 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 
@@ -715,29 +715,39 @@ QUART_NOT_LIVE = ("--policy quart-infless, quart-inferline and quart-cocktail (Q
                   "cache on or off (--quart-cache off)")
 
 
+def profiled_layer_costs(path: Path, name: str, num_layers: int, batch: int,
+                         cores: int | None = None) -> tuple[list[float] | None, str]:
+    """(one cost per layer, how the cut was made in words) from the layer profile at ``path``
+    (:func:`jaxserve.sched.quart.profile_layer_costs` at ``batch`` and ``cores``), or (None,
+    "equal layers ...") where the file is missing or does not profile ``name``'s layers."""
+    import json
+
+    from jaxserve.sched.quart import profile_layer_costs
+
+    profile = json.loads(path.read_text()).get("models", {}).get(name) if path.exists() else None
+    if profile is not None and int(profile.get("num_layers", -1)) == num_layers:
+        try:
+            costs, b, c = profile_layer_costs(profile, batch, cores)
+            return costs, f"the layer profile {path} (batch {b}, {c} cores)"
+        except KeyError:
+            pass
+    return None, f"equal layers (no layer profile of {name} at {path})"
+
+
 def quart_cut(settings: ServeSettings, name: str, num_layers: int) -> dict:
     """How live QUART cuts ``name`` into ``quart_stages`` stages, the same at warmup and serve:
     by the per-layer costs of the layer profile (:func:`layers_profile_path`, when it profiles
-    ``name``; :func:`jaxserve.sched.quart.profile_layer_costs` at the grid's largest batch and
-    this process's cores, cut by :func:`jaxserve.quart_exec.pipeline_stages`), else into stages
-    of equal layers. Returns ``{"stages", "layer_costs" (None: equal), "cut" (how, in words)}``;
-    ValueError for a stage count the model cannot take."""
-    import json
+    ``name``; :func:`profiled_layer_costs` at the grid's largest batch and this process's cores,
+    cut by :func:`jaxserve.quart_exec.pipeline_stages`), else into stages of equal layers.
+    Returns ``{"stages", "layer_costs" (None: equal), "cut" (how, in words)}``; ValueError for
+    a stage count the model cannot take."""
     import os
 
     from jaxserve.quart_exec import pipeline_stages
-    from jaxserve.sched.quart import profile_layer_costs
 
-    path = layers_profile_path(settings)
-    profile = json.loads(path.read_text()).get("models", {}).get(name) if path.exists() else None
-    costs, cut = None, f"equal layers (no layer profile of {name} at {path})"
-    if profile is not None and int(profile.get("num_layers", -1)) == num_layers:
-        grid = settings.text_grid or registry.text_grid(name)
-        try:
-            costs, b, c = profile_layer_costs(profile, max(grid.batch_sizes), len(os.sched_getaffinity(0)))
-            cut = f"the layer profile {path} (batch {b}, {c} cores)"
-        except KeyError:
-            pass
+    grid = settings.text_grid or registry.text_grid(name)
+    costs, cut = profiled_layer_costs(layers_profile_path(settings), name, num_layers, max(grid.batch_sizes),
+                                      len(os.sched_getaffinity(0)))
     stages = pipeline_stages(name, num_layers, settings.quart_stages, costs)
     return {"stages": stages, "layer_costs": costs, "cut": cut}
 
@@ -842,12 +852,15 @@ def quart_stage_megabytes(model: str, stages) -> dict:
 
 def simulate_quart(variant: str, cost: CostModel, model: str, trace, *, workers: int, slo_s: float,
                    planned_rate: float, latency_noise: float = 0.0, seed: int = 0, max_stages: int = 8,
-                   accelerators_per_server: int = 4, transfer_profile: Path | None = None):
+                   accelerators_per_server: int = 4, transfer_profile: Path | None = None,
+                   layer_costs: Sequence[float] | None = None):
     """``trace`` through QUART (``variant`` "quart") or a baseline ("quart-infless",
     "quart-inferline", "quart-cocktail"; jaxserve/sched/quart.py) on ``workers`` worker slots,
     ``accelerators_per_server`` to a server. ``model`` (a BERT-family model the cost model
-    prices) is cut into ``max_stages`` stages of equal layer cost, each priced at its share of
-    the whole model's profile; each pipeline starts with one replica per stage, one per server
+    prices) is cut into ``max_stages`` stages balanced by ``layer_costs`` (one per layer, as
+    live QUART cuts by a layer profile: within :data:`jaxserve.quart_exec.CUT_TOLERANCE` the
+    most even cut) or, without them, of equal layer cost, each priced at its share of the
+    whole model's profile; each pipeline starts with one replica per stage, one per server
     (the whole-model baselines with one replica), QUART's cache holding each stage where it
     starts. Activations move at the Ray hop in ``transfer_profile`` (default
     bench/profiles/ray-transfer.json when present, else free). Returns (SimResult, policy)."""
@@ -863,9 +876,14 @@ def simulate_quart(variant: str, cost: CostModel, model: str, trace, *, workers:
     if model not in BERT_CONFIGS:
         raise ValueError(f"--policy {variant} cuts BERT-family models into layer stages: {model} is not one "
                          f"({', '.join(sorted(BERT_CONFIGS))})")
+    from jaxserve.quart_exec import CUT_TOLERANCE
+
     layers = BERT_CONFIGS[model].num_layers
-    stages = q.cut_stages(model, [1.0] * layers, max_stages)
-    cost = q.stage_cost_model(cost, model, stages)
+    if layer_costs is not None and len(layer_costs) != layers:
+        raise ValueError(f"{model} has {layers} layers; the layer profile gives {len(layer_costs)} costs")
+    stages = q.cut_stages(model, layer_costs or [1.0] * layers, max_stages,
+                          tolerance=CUT_TOLERANCE if layer_costs else 0.0)
+    cost = q.stage_cost_model(cost, model, stages, layer_costs)
     grid = simulated_models(cost, model)[model].grid
     mb = quart_stage_megabytes(model, stages)
     servers = [q.Server(i, accelerators_per_server) for i in range(max(1, math.ceil(workers / accelerators_per_server)))]

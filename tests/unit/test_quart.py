@@ -405,3 +405,41 @@ def test_live_quart_cuts_by_the_layer_profile_and_prices_each_stage_at_its_profi
     plain = with_quart(ServeSettings(**base, layer_profile=str(tmp_path / "missing.json")))
     assert [(s.start, s.stop) for s in plain.extra["quart"]["stages"]] == [(0, 2), (2, 4), (4, 6)]
     assert plain.extra["quart"]["layer_costs"] is None and "equal layers" in plain.extra["quart"]["cut"]
+
+
+def test_simulate_quart_cuts_by_the_layer_profile_next_to_the_cost_model(tmp_path, capsys):
+    """`jaxserve simulate --policy quart` cuts as serve does: by the layer profile next to
+    --cost-model where it profiles the model (a first layer 7x the others takes a stage of its
+    own in 3), else equal layers; and says which."""
+    import json
+
+    from jaxserve.cli import main
+    from jaxserve.layer_profile import layers_path
+    from jaxserve.profiler import save_cost_model
+
+    cost_path = tmp_path / "cost.json"
+    save_cost_model(cost_path, CostModel({"minilm-l6": LatencyProfile(
+        "minilm-l6", {Cell(b, 64): 0.01 * b for b in (1, 2, 4)})}))
+    args = ["simulate", "--policy", "quart", "--cost-model", str(cost_path), "--instances", "8", "--rate", "20",
+            "--requests", "200", "--trace", "poisson"]
+
+    def run_():
+        assert main(args) == 0
+        return json.loads(capsys.readouterr().out)
+
+    plain = run_()
+    assert plain["cut_by"].startswith("equal layers") and len(plain["stages"]) == 6
+    layers_path(cost_path).write_text(json.dumps({"models": {"minilm-l6": layer_profile_entry(
+        6, {1: [7.0, 1, 1, 1, 1, 1]}, (0, 0))}}))
+    cut = run_()
+    assert "the layer profile" in cut["cut_by"] and cut["requests"] == 200
+    assert cut["stages"] == plain["stages"]  # up to 8 stages of 6 layers: one layer each either way
+    from jaxserve.launch import simulate_quart
+
+    rng = np.random.default_rng(3)
+    trace = make_trace(np.sort(rng.uniform(0, 10, 300)), model="minilm-l6", length=64)
+    cost = CostModel({"minilm-l6": LatencyProfile("minilm-l6", {Cell(b, 64): 0.01 * b for b in (1, 2, 4)})})
+    _, policy = simulate_quart("quart", cost, "minilm-l6", trace, workers=8, slo_s=0.04, planned_rate=30.0,
+                               max_stages=3, layer_costs=[7.0, 1, 1, 1, 1, 1])
+    assert [(s.start, s.stop) for s in policy.stages] == [(0, 1), (1, 3), (3, 6)]  # 2/2/2 would be 8
+    assert policy.cost.latency[policy.stages[0].label()].latency(Cell(4, 64)) == pytest.approx(0.04 * 7 / 12)
