@@ -763,17 +763,14 @@ def with_quart(settings: ServeSettings) -> ServeSettings:
         return settings
     if settings.policy != "quart":
         raise ValueError(QUART_NOT_LIVE)
-    from jaxserve.models.bert import BERT_CONFIGS
-
-    if len(settings.models) != 1 or settings.models[0] not in registry.TEXT_MODELS \
-            or settings.models[0] not in BERT_CONFIGS:
-        raise ValueError(f"--policy quart serves exactly one BERT-family text model live (--model minilm-l6); got "
-                         f"{', '.join(settings.models)}")
+    if len(settings.models) != 1 or settings.models[0] not in registry.TEXT_MODELS:
+        raise ValueError(f"--policy quart serves exactly one BERT-family text model live (one of "
+                         f"{', '.join(registry.TEXT_MODELS)}); got {', '.join(settings.models)}")
     if settings.workers != "ray":
         raise ValueError("--policy quart runs its stages on Ray workers, whose nodes keep the parameter cache: "
                          "--workers ray")
     name = settings.models[0]
-    quart = quart_cut(settings, name, BERT_CONFIGS[name].num_layers)
+    quart = quart_cut(settings, name, registry.text_config(name).num_layers)
     if settings.instances < len(quart["stages"]):
         raise ValueError(f"--policy quart: {len(quart['stages'])} stages need --instances (worker slots) >= "
                          f"{len(quart['stages'])}, got {settings.instances}")
@@ -835,13 +832,15 @@ def make_quart_workers(settings: ServeSettings, runtimes: Mapping[str, ModelRunt
     return factory.initial(stages), factory, stage_catalog(runners, "the QUART pipeline")
 
 
-def quart_stage_megabytes(model: str, stages) -> dict:
-    """Parameter megabytes (float32) each stage of a BERT-family ``model`` loads: its layers'
-    (4 h^2 + 2 h f weights and their biases and LayerNorms) plus, on the first stage, the
-    embeddings; the whole model under ``Stage(model, 0, L, L)``."""
+def quart_stage_megabytes(model: str, stages, cfg=None) -> dict:
+    """Parameter megabytes (float32) each stage of a BERT-family ``model`` (config ``cfg``;
+    default: ``BERT_CONFIGS``'s, else the served model's, :func:`registry.text_config`) loads:
+    its layers' (4 h^2 + 2 h f weights and their biases and LayerNorms) plus, on the first stage,
+    the embeddings; the whole model under ``Stage(model, 0, L, L)``. (An MPNet stage's relative
+    position table, 1.5 KB, is left out.)"""
     from jaxserve.models.bert import BERT_CONFIGS
 
-    cfg = BERT_CONFIGS[model]
+    cfg = cfg or BERT_CONFIGS.get(model) or registry.text_config(model)
     h, f = cfg.hidden_size, cfg.intermediate_size
     layer = (4 * h * h + 2 * h * f + 9 * h + f) * 4 / 1e6
     embed = ((cfg.vocab_size + cfg.max_position + cfg.type_vocab_size) * h + 2 * h) * 4 / 1e6

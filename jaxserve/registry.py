@@ -148,6 +148,19 @@ def text_tokenizer_path(name: str) -> Path:
     return load_text_model(name)[2]
 
 
+def text_config(name: str) -> BertConfig:
+    """The config of the text encoder ``name``: from its config.json where the file is at hand
+    without loading weights (MiniLM-L6; MPNet after its first-use conversion), else from its
+    (cached) conversion."""
+    if name == "minilm-l6":
+        return BertConfig.from_hf(json.loads((minilm_dir() / "config.json").read_text()))
+    if name == "mpnet-base":
+        from jaxserve.models.mpnet import mpnet_dir
+
+        return BertConfig.from_hf(json.loads((mpnet_dir() / "config.json").read_text()))
+    return load_text_model(name)[0]
+
+
 def load_text_model(name: str = "minilm-l6", progress: bool = False):
     """(cfg, model, tokenizer_json) of the text encoder ``name`` (one of :data:`TEXT_MODELS`)."""
     if name == "minilm-l6":

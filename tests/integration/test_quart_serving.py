@@ -50,20 +50,20 @@ def settings_for(cache_dir: str, cache: bool = True) -> ServeSettings:
                          progress=False, max_queue=512, correct_prices=False)
 
 
-def embeddings(client: httpx.Client, texts: list[str]) -> np.ndarray:
-    r = client.post("/v1/embeddings", json={"model": MODEL, "input": texts})
+def embeddings(client: httpx.Client, texts: list[str], model: str = MODEL) -> np.ndarray:
+    r = client.post("/v1/embeddings", json={"model": model, "input": texts})
     assert r.status_code == 200, r.text
     return np.array([d["embedding"] for d in r.json()["data"]], np.float64)
 
 
-def burst(url: str, texts: list[str], parts: int = 6) -> np.ndarray:
-    """``texts`` sent at once as ``parts`` concurrent requests; the embeddings in order."""
+def burst(url: str, texts: list[str], parts: int = 6, model: str = MODEL) -> np.ndarray:
+    """``texts`` sent at once as ``parts`` concurrent requests to ``model``; the embeddings in order."""
     chunks = np.array_split(np.arange(len(texts)), parts)
     out: list = [None] * parts
 
     def send(k):
         with httpx.Client(base_url=url, timeout=300) as c:
-            out[k] = embeddings(c, [texts[i] for i in chunks[k]])
+            out[k] = embeddings(c, [texts[i] for i in chunks[k]], model)
 
     threads = [threading.Thread(target=send, args=(k,)) for k in range(parts)]
     for t in threads:
@@ -171,3 +171,28 @@ def test_a_replica_killed_during_a_burst_loses_no_request_and_comes_back_from_th
         assert _until(lambda: victim.alive and [x.source for x in victim.load_log()] == ["cache"], timeout_s=120)
         assert all(manager_holds(cache_dir, label) for label in stage_labels())
         np.testing.assert_allclose(burst(srv.url, TEXTS[:24]), whole[:24], atol=1e-5)
+
+
+def test_mpnet_real_weights_served_as_a_pipeline_answer_as_the_whole_model_and_scale_from_the_cache(tmp_path):
+    """all-mpnet-base-v2 (12 layers, 4 to a stage; every stage holds the relative-position
+    table): the pipeline's answers equal the whole model's, a burst gives a key stage a replica
+    from the cache, and nothing compiles after ready."""
+    model, texts = "mpnet-base", TEXTS[:96]
+    base = dict(models=(model,), cache_dir=str(tmp_path), text_grid=GRID, tune=False, progress=False, max_queue=512)
+    with LiveServer(ServeSettings(**base)) as srv:
+        want = burst(srv.url, texts, model=model)
+    settings = ServeSettings(**base, policy="quart", workers="ray", instances=5, quart_stages=3, quart_period_s=0.25,
+                             correct_prices=False)
+    with LiveServer(settings) as srv:
+        engine = srv.app.state.jaxserve.engine
+        assert [sorted(s.label() for s in w.stages()) for _, w in sorted(engine.workers.items())] == \
+            [[f"{model}[0:4]"], [f"{model}[4:8]"], [f"{model}[8:12]"]]
+        got = burst(srv.url, texts, model=model)
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        added = replicas_added(engine)
+        assert added and all(source == "cache" for _, _, source in added)
+        wid, label, _ = added[0]
+        assert _until(lambda: any(label == lab and w == wid for lab, w, _ in list(engine.stats.stage_loads)),
+                      timeout_s=120)
+        assert [(x.stage.label(), x.source) for x in engine.worker_factory.made[wid].load_log()] == [(label, "cache")]
+        assert _series(srv.url, "jaxserve_compilations_since_ready") == 0.0
