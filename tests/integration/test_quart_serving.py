@@ -173,11 +173,14 @@ def test_a_replica_killed_during_a_burst_loses_no_request_and_comes_back_from_th
         np.testing.assert_allclose(burst(srv.url, TEXTS[:24]), whole[:24], atol=1e-5)
 
 
-def test_mpnet_real_weights_served_as_a_pipeline_answer_as_the_whole_model_and_scale_from_the_cache(tmp_path):
+@pytest.mark.parametrize("model, cuts", [("mpnet-base", (0, 4, 8, 12)), ("minilm-l3", (0, 1, 2, 3))])
+def test_other_text_models_served_as_a_pipeline_answer_as_the_whole_model_and_scale_from_the_cache(
+        tmp_path, model, cuts):
     """all-mpnet-base-v2 (12 layers, 4 to a stage; every stage holds the relative-position
-    table): the pipeline's answers equal the whole model's, a burst gives a key stage a replica
-    from the cache, and nothing compiles after ready."""
-    model, texts = "mpnet-base", TEXTS[:96]
+    table) and MiniLM-L3 (converted from ONNX; a layer a stage), real weights: the pipeline's
+    answers equal the whole model's, a burst gives a key stage a replica from the cache, and
+    nothing compiles after ready."""
+    texts = TEXTS[:96]
     base = dict(models=(model,), cache_dir=str(tmp_path), text_grid=GRID, tune=False, progress=False, max_queue=512)
     with LiveServer(ServeSettings(**base)) as srv:
         want = burst(srv.url, texts, model=model)
@@ -186,7 +189,7 @@ def test_mpnet_real_weights_served_as_a_pipeline_answer_as_the_whole_model_and_s
     with LiveServer(settings) as srv:
         engine = srv.app.state.jaxserve.engine
         assert [sorted(s.label() for s in w.stages()) for _, w in sorted(engine.workers.items())] == \
-            [[f"{model}[0:4]"], [f"{model}[4:8]"], [f"{model}[8:12]"]]
+            [[f"{model}[{a}:{b}]"] for a, b in zip(cuts, cuts[1:])]
         got = burst(srv.url, texts, model=model)
         np.testing.assert_allclose(got, want, atol=1e-5)
         added = replicas_added(engine)
