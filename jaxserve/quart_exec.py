@@ -1,5 +1,10 @@
-"""QUART live (§6.1): a text model served as a pipeline of layer-range stages on Ray actors,
-with new replicas of key stages taking their parameters from the node's KeysManager.
+"""QUART live (§6.1): a model (any of the registry's text models, or an image model) served as a
+pipeline of layer-range stages on Ray actors, with new replicas of key stages taking their
+parameters from the node's KeysManager. A stage loads with :func:`jaxserve.asyfunc_exec.load_block`:
+a text stage hangs on a weightless text runtime (tokenizer for the first, task heads for the last),
+an image stage on a weightless image runtime (:func:`jaxserve.registry.image_runtime_shell`:
+pixel normalisation for the first; every stage of a prompted gamma, and the last, gather each
+sample's prompts and head by the task names carried along).
 
 What the policy (:class:`jaxserve.sched.quart.QuartPolicy`) plans, the engine carries out with
 the workers made here:
@@ -86,7 +91,7 @@ CUT_TOLERANCE = 0.1
 try:
     import ray
 
-    from jaxserve.asyfunc_exec import PoolWorker, ShadowHost, block_dir, load_text_block
+    from jaxserve.asyfunc_exec import PoolWorker, ShadowHost, block_dir, load_block
     from jaxserve.ray_workers import HostReport, WorkerSpec, all_ready
 except ImportError:  # pragma: no cover - the ray extra is not installed
     ray = None
@@ -101,7 +106,7 @@ if ray is not None:
         loads: tuple = ()
 
     class QuartStageHost(ShadowHost):
-        """A stage replica's actor: loads stages of a text model (:func:`load_text_block`),
+        """A stage replica's actor: loads stages of a model (:func:`load_block`),
         taking the parameters from the node's KeysManager when it holds them (else from the
         stage's checkpoint, then asking the manager to cache it). ``use_cache`` False: the
         disk always, and nothing cached."""
@@ -123,10 +128,7 @@ if ray is not None:
             replica = StageReplica()
             report = replica.become_ready(stage, str(directory), keys_manager() if self.use_cache else None,
                                           populate=self.use_cache)
-            heads_dir = spec.heads_dir if stage.model == "minilm-l6" else None  # as jaxserve.launch.load_runtimes
-            runner = load_text_block(stage.model, stage, spec.text_grid, self._open_cache(), precision=spec.precision,
-                                     tune=spec.tune, prime=spec.prime, heads_dir=heads_dir,
-                                     prepared=self._prepared.get(stage), params=replica.params)
+            runner = load_block(stage, spec, self._open_cache(), self._prepared.get(stage), params=replica.params)
             self.loads.append(StageLoad(stage, report.source, time.perf_counter() - t0, report.seconds,
                                         report.nbytes))
             return runner

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -138,6 +139,7 @@ def dinov2_weights_path(progress: bool = False) -> Path:
 # The text encoders jaxserve can serve, by name. Each loader returns (BertConfig, Bert, tokenizer.json
 # path); conversions from the registry's packages run on first use and are cached in weights_dir().
 TEXT_MODELS = ("minilm-l3", "minilm-l6", "bge-small", "mpnet-base")
+IMAGE_MODELS = ("vit-demo", "dinov2-s14")
 
 
 def text_tokenizer_path(name: str) -> Path:
@@ -303,34 +305,44 @@ def vit_demo_prompts_dir() -> Path:
     return ASSETS / "vit-demo-prompts"
 
 
-def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | None = None, progress: bool = False,
-                       prompts_dir: Path | None = None, precision: str = "f32", stop=None,
-                       tune: bool = True) -> ImageRuntime:
-    """An image model (the demo ViT, or ``dinov2-s14``) warmed over its grid, serving every task of its
-    prompt repository.
+def image_model_config(name: str) -> tuple[Any, dict]:
+    """(ViTConfig, its pixel normalisation ``{"mean", "std"}``) of the image model ``name``,
+    without its weights: DINOv2 at 224 (ImageNet's per-channel statistics), the demo ViT from
+    its checkpoint's meta.json."""
+    import dataclasses
 
-    Each task's prompts and heads come from the repository (jaxserve/prompts.py) and are
-    gathered per sample, so mixed-task batches share one executable per (gamma, batch). Without
-    a trained repository the backbone's own head serves ``digits`` at gamma <= 0 only. A grid
-    with a gamma some task has no prompts for is refused at load, not at request time.
-    """
+    from jaxserve.models.vit import VIT_CONFIGS, ViTConfig
+
+    if name == "dinov2-s14":
+        return (dataclasses.replace(VIT_CONFIGS["dinov2-s14"], image_size=224),
+                {"mean": IMAGENET_MEAN, "std": IMAGENET_STD})
+    if name != "vit-demo":
+        raise KeyError(f"unknown image model {name!r}")
+    meta = json.loads((vit_demo_dir() / "meta.json").read_text())
+    return ViTConfig(**meta["config"]), meta.get("normalisation", {"mean": 0.0, "std": 1.0})
+
+
+def _image_assets(name: str, cfg, grid: ShapeGrid, prompts_dir: Path | None, model=None):
+    """(prompts_dir, read_assets, shape_of, compiled_for) of the image model ``name`` over
+    ``grid``: ``read_assets()`` returns (heads, repository, accuracy) checked against the grid
+    and, once ``compiled_for`` is filled, against the executables' shapes (``shape_of``).
+    ``model``: the backbone, whose own head serves ``digits`` where no repository is trained
+    (the demo ViT only); without it a missing repository is refused."""
     if name == "dinov2-s14":  # a pretrained backbone without a head of its own: probes are required
-        cfg, model = load_dinov2()
-        meta = {"normalisation": {"mean": IMAGENET_MEAN, "std": IMAGENET_STD}}
         prompts_dir = Path(prompts_dir) if prompts_dir is not None else dinov2_prompts_dir()
         if not (prompts_dir / "repository.json").exists():
             raise MissingAsset(f"{name} has no task probes at {prompts_dir}: python -m training.train_dinov2_probes "
                                f"--out {prompts_dir}")
         deepest = min(OTAS_GAMMAS[name])  # below it gamma_settings would clamp: gamma would not mean what it says
-        if grid is not None and min(grid.gammas) < deepest:
+        if min(grid.gammas) < deepest:
             raise ValueError(f"{name}: gamma {min(grid.gammas)} is outside its profiled range "
                              f"{deepest}..{max(OTAS_GAMMAS[name])} (bench/RESULTS.md, otas-throughput-{name})")
+        meta = {}
     else:
-        path = vit_demo_dir()
-        meta = json.loads((path / "meta.json").read_text())
-        cfg, model = load_vit_checkpoint(path)
         prompts_dir = Path(prompts_dir) if prompts_dir is not None else vit_demo_prompts_dir()
-    grid = grid or ShapeGrid(DEFAULT_IMAGE_BATCHES)
+        meta = json.loads((vit_demo_dir() / "meta.json").read_text())
+        if model is None and not (prompts_dir / "repository.json").exists():
+            raise MissingAsset(f"{name}: a stage of it serves the tasks of a prompt repository; none at {prompts_dir}")
     compiled_for: dict = {}  # the repository shape the executables are compiled for, once they are
 
     def shape_of(repo) -> dict:  # what of a repository is part of the image executables' shapes
@@ -364,14 +376,55 @@ def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | Non
             accuracy = load_accuracy_profile(prompts_dir / "accuracy.json", name)
         return heads, repo, accuracy
 
-    heads, repo, accuracy = read_assets()
+    return prompts_dir, read_assets, shape_of, compiled_for
+
+
+def _image_runtime(name: str, cfg, norm: dict, table, weights, assets, loaded) -> ImageRuntime:
+    """The runtime over ``table`` and ``weights`` (None, None: a shell), serving ``loaded``
+    (``read_assets()``'s heads, repository, accuracy)."""
+    heads, repo, accuracy = loaded
+    return ImageRuntime(name, table, weights, heads, prompts=repo, accuracy=accuracy,
+                        num_layers=cfg.num_layers, read_assets=assets[1],
+                        image_shape=(cfg.image_size, cfg.image_size, cfg.num_channels),
+                        pixel_mean=np.asarray(norm["mean"], np.float32), pixel_std=np.asarray(norm["std"], np.float32),
+                        resizes=name == "dinov2-s14")  # its probes were trained on datasets.to_rgb_square's resize
+
+
+def image_runtime_shell(name: str, grid: ShapeGrid | None = None, prompts_dir: Path | None = None):
+    """(ViTConfig, an :class:`ImageRuntime` of ``name`` with no table and no weights): what a
+    worker holding only a stage of the model needs of it (its tasks' prompts and heads, its
+    normalisation and image shape), read without the weights. Its repository must exist."""
+    grid = grid or ShapeGrid(DEFAULT_IMAGE_BATCHES)
+    cfg, norm = image_model_config(name)
+    assets = _image_assets(name, cfg, grid, prompts_dir)
+    return cfg, _image_runtime(name, cfg, norm, None, None, assets, assets[1]())
+
+
+def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | None = None, progress: bool = False,
+                       prompts_dir: Path | None = None, precision: str = "f32", stop=None,
+                       tune: bool = True) -> ImageRuntime:
+    """An image model (the demo ViT, or ``dinov2-s14``) warmed over its grid, serving every task of its
+    prompt repository.
+
+    Each task's prompts and heads come from the repository (jaxserve/prompts.py) and are
+    gathered per sample, so mixed-task batches share one executable per (gamma, batch). Without
+    a trained repository the backbone's own head serves ``digits`` at gamma <= 0 only. A grid
+    with a gamma some task has no prompts for is refused at load, not at request time.
+    """
+    grid = grid or ShapeGrid(DEFAULT_IMAGE_BATCHES)
+    if name == "dinov2-s14":
+        cfg, norm = image_model_config(name)
+        assets = _image_assets(name, cfg, grid, prompts_dir)  # (refuses missing probes before the weights load)
+        _, model = load_dinov2(cfg.image_size)
+    else:
+        cfg, model = load_vit_checkpoint(vit_demo_dir())
+        _, norm = image_model_config(name)
+        assets = _image_assets(name, cfg, grid, prompts_dir, model)
+    _, read_assets, shape_of, compiled_for = assets
+    loaded = read_assets()
+    repo = loaded[1]
     table = PolymorphTable(vit_servable(name, cfg, grid, repo.prompt_mode, repo.num_classes, precision), cache,
                            tune=tune)
     table.warmup(progress=progress, stop=stop)
     compiled_for.update(shape_of(repo))
-    norm = meta.get("normalisation", {"mean": 0.0, "std": 1.0})
-    return ImageRuntime(name, table, weights_of(model, precision), heads, prompts=repo, accuracy=accuracy,
-                        num_layers=cfg.num_layers, read_assets=read_assets,
-                        image_shape=(cfg.image_size, cfg.image_size, cfg.num_channels),
-                        pixel_mean=np.asarray(norm["mean"], np.float32), pixel_std=np.asarray(norm["std"], np.float32),
-                        resizes=name == "dinov2-s14")  # its probes were trained on datasets.to_rgb_square's resize
+    return _image_runtime(name, cfg, norm, table, weights_of(model, precision), assets, loaded)
