@@ -17,9 +17,10 @@ The timer runs inside the replica, from asking to device arrays ready; the repli
 already started and loaded once (imports, first-call costs), as a process kept for scale-out
 would. A fresh actor's start (process, imports, JAX backend) is measured once apart: the
 cache saves the parameter read, not that (the paper forks a warm process instead; Ray
-starts a new one). Models: BERT-base (random weights; sizes are what matter) and MPNet-base
-(its real weights, converted and cached by the registry), each cut into 8 stages as
-bench/quart_sim.py cuts them (four of 2 layers, four of 1; embeddings on the first).
+starts a new one). Models: BERT-base (random weights; sizes are what matter), MPNet-base
+(its real weights, converted and cached by the registry) and the ViT, DINOv2 ViT-S/14 (its
+real weights), each cut into 8 stages as bench/quart_sim.py cuts them (four of 2 layers, four
+of 1; embeddings, or the ViT's patch embedding, on the first).
 Every figure is the median over ``--repeats``. The issue's goal: cache <= 10% of disk.
 
 ``--h2d`` (a GPU host: section ``quart_h2d``) times the step a cache hit adds on a GPU, which the
@@ -29,7 +30,7 @@ No Ray and no checkpoint: the GPU host has neither the package nor the weights, 
 changes this step. BERT-base with random weights, cut as above; MPNet-base's stages have the same
 shapes but for a 5-row-larger embedding table and a 32x12 position bias, so it is not repeated.
 
-    python -m bench.quart_cache [--models bert-base,mpnet-base] [--repeats 5] [--write]
+    python -m bench.quart_cache [--models bert-base,mpnet-base,dinov2-s14] [--repeats 5] [--write]
     python -m bench.quart_cache --h2d --models bert-base --repeats 20 --write   # on a GPU host
 """
 
@@ -38,7 +39,7 @@ from __future__ import annotations
 # What its numbers measure and the runs that write its sections (bench/common.py: declarations).
 MEASURES = (
     "bench/quart_cache.py", "jaxserve/keys_manager.py", "jaxserve/orbax_io.py", "jaxserve/models/bert.py",
-    "jaxserve/stages.py",
+    "jaxserve/models/vit.py", "jaxserve/stages.py",
 )
 SECTIONS = {"quart_cache": "--write"}
 GPU_SECTIONS = {"quart_h2d": "--h2d --models bert-base --repeats 20 --write"}  # measured on a GPU host; never run by bench.all
@@ -69,9 +70,16 @@ def stage_params(model: str, ray_free: bool = False):
     from jaxserve.sched.quart import cut_stages
     from jaxserve.stages import slice_stage_weights
 
+    abstract_stage = abstract_bert_stage
     if model == "bert-base":
         cfg = BERT_CONFIGS["bert-base"]
         net = init_bert(cfg, seed=0)
+    elif model == "dinov2-s14":
+        from jaxserve.models.vit import abstract_vit_stage
+        from jaxserve.registry import load_dinov2
+
+        cfg, net = load_dinov2()
+        abstract_stage = abstract_vit_stage
     else:
         from jaxserve.registry import load_text_model
 
@@ -84,7 +92,7 @@ def stage_params(model: str, ray_free: bool = False):
         from jaxserve.keys_manager import params_from_state
     out = {}
     for stage in stages:
-        _, abstract = abstract_bert_stage(cfg, stage.start, stage.stop)
+        _, abstract = abstract_stage(cfg, stage.start, stage.stop)
         out[stage] = params_from_state(slice_stage_weights(weights, abstract, stage.start))
     return stages, out
 
@@ -219,7 +227,7 @@ def _load_model_ms(field: str) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--models", default="bert-base,mpnet-base")
+    ap.add_argument("--models", default="bert-base,mpnet-base,dinov2-s14")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--object-store-mb", type=int, default=1536)
     ap.add_argument("--dir", default=None, help="where the checkpoints go (a real disk; default a temp dir)")
