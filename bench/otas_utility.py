@@ -2,6 +2,7 @@
 simulated at the paper's rates on a synthetic fluctuating Poisson trace and a bursty trace.
 
     nice -n 10 python -m bench.otas_utility [--duration 300] [--write]
+    nice -n 10 python -m bench.otas_utility --model dinov2-s14 [--duration 300] [--write]
 
 Workload (OTAS §V, "Workloads"; Table II): each request picks one of six query types uniformly:
 
@@ -36,6 +37,21 @@ INFaaS (model switching among variants of different size) runs in the simulator 
 bench/otas_infaas_variants.py has produced the variants' profiles (``--variants``): S/B/L digits
 ViTs with their own heads (no prompts), latencies scaled like the demo's, and the measured
 load time (weights + executables) as the switching cost, unscaled (it is I/O, not compute).
+
+``--model dinov2-s14`` (issue 23, items 3 and 4; section ``otas-utility-sim-dinov2-s14``): the same
+at the paper's rates with DINOv2 ViT-S/14's profile. Its cost model (bench/otas_cost_dinov2-s14.json)
+is the latency per (batch 1-8, gamma -21..0) the server profiled on this CPU (the compile cache's
+cost_model.json) with the probes' held-out accuracy per (task, gamma) (jaxserve/assets/dinov2-s14-
+prompts/accuracy.json), scaled as above (gamma 0 at batch 8 serves 580 req/s). Query types are
+bench/otas_live.py's: Table II's rows over the two DINOv2 tasks, mnist in the easy task's rows and
+animals in the hard task's (utility 1.0), four types. Fixed ToMe runs the paper's gamma -15; there
+is no VPT baseline and OTAS has no gamma > 0, because no prompts are trained for DINOv2. INFaaS
+switches among DINOv2 truncated to fewer blocks, each with its own probes
+(bench/otas_infaas_variants.py --model dinov2-s14 -> bench/otas_infaas_variants_dinov2-s14.json),
+anchored to the cost model through the whole model and with the measured load time as the switch
+cost, as for the demo. Every request's image is one of its task's 200 held-out images, scored by
+the real executables' answer on it: at its gamma for OTAS, PetS and ToMe (``gamma_correct`` of
+that JSON), on its variant for INFaaS.
 """
 
 from __future__ import annotations
@@ -44,9 +60,10 @@ from __future__ import annotations
 # read by bench.all, bench.status and bench.headline without importing this module).
 MEASURES = (
     "bench/otas_utility.py", "bench/otas_cost_vit-demo.json", "bench/otas_infaas_variants.json",
+    "bench/otas_cost_dinov2-s14.json", "bench/otas_infaas_variants_dinov2-s14.json",
     "jaxserve/sched/otas.py", "jaxserve/sched/base.py", "jaxserve/simulator.py", "jaxserve/traces.py",
 )
-SECTIONS = {"otas-utility-sim": "--write"}
+SECTIONS = {"otas-utility-sim": "--write", "otas-utility-sim-dinov2-s14": "--model dinov2-s14 --write"}
 
 import argparse
 import json
@@ -69,15 +86,43 @@ PAPER_GAMMA0_RPS = 580.0  # ViT-B, RTX 4080, gamma 0 (OTAS Fig. 4b)
 MODEL = "vit-demo"
 TOME_GAMMA = -3  # the demo's counterpart of the paper's -15 ("nearly unchanged accuracy", §V)
 VPT_GAMMA = 2  # the paper's VPT baseline
+DINOV2 = "dinov2-s14"
+DINOV2_QUERY_TYPES = (  # Table II's rows with our two DINOv2 tasks (see the module docstring)
+    ("mnist", 0.6, 0.3), ("mnist", 1.0, 0.01),
+    ("animals", 0.6, 1.0), ("animals", 1.0, 0.2),
+)
+DINOV2_TOME_GAMMA = -15  # the paper's fixed-ToMe gamma
 
 
-def paper_scaled(measured):
-    """``measured`` (a cost model of :data:`MODEL`) with every latency times one factor, so that gamma 0
+@dataclass(frozen=True)
+class Setup:
+    """What differs between the models this bench runs on."""
+
+    model: str
+    query_types: tuple
+    tome_gamma: int
+    vpt_gamma: int | None  # None: no prompts trained, no VPT baseline
+    cost: str  # file names under bench/
+    variants: str
+    section: str
+    n_images: int | None  # test images per task a request draws from; None: as many as were scored
+
+
+SETUPS = {
+    MODEL: Setup(MODEL, QUERY_TYPES, TOME_GAMMA, VPT_GAMMA, "otas_cost_vit-demo.json", "otas_infaas_variants.json",
+                 "otas-utility-sim", 180),
+    DINOV2: Setup(DINOV2, DINOV2_QUERY_TYPES, DINOV2_TOME_GAMMA, None, f"otas_cost_{DINOV2}.json",
+                  f"otas_infaas_variants_{DINOV2}.json", f"otas-utility-sim-{DINOV2}", None),
+}
+
+
+def paper_scaled(measured, model: str = MODEL):
+    """``measured`` (a cost model of ``model``) with every latency times one factor, so that gamma 0
     at the largest batch serves :data:`PAPER_GAMMA0_RPS`: (the scaled cost model, the grid of its cells,
     the factor)."""
     from jaxserve.sched.base import ShapeGrid
 
-    lat = measured.latency[MODEL]
+    lat = measured.latency[model]
     grid = ShapeGrid(tuple(sorted({c.batch for c in lat.cells()})), gammas=tuple(sorted({c.gamma for c in lat.cells()})))
     factor = (grid.max_batch / PAPER_GAMMA0_RPS) / lat.latency_for(grid.max_batch, 0, 0)
     return measured.scaled(factor), grid, factor
@@ -137,18 +182,20 @@ def correctness_table(gammas, cache_dir: str | None, extra_models=()) -> dict:
     return out
 
 
-def make_policies(cost, grid, variants=None, switch_seconds: float = 0.0) -> dict:
+def make_policies(cost, grid, variants=None, switch_seconds: float = 0.0, setup: Setup = SETUPS[MODEL]) -> dict:
     from jaxserve.sched.otas import (
         FixedToMePolicy, FixedVPTPolicy, INFaaSPolicy, OTASPolicy, PetSPolicy,
     )
 
-    lat, acc = cost.latency[MODEL], cost.accuracy[MODEL]
+    m = setup.model
+    lat, acc = cost.latency[m], cost.accuracy[m]
     policies = {
-        "OTAS": OTASPolicy(MODEL, lat, acc, grid),
-        "PetS": PetSPolicy(MODEL, lat, acc, grid),
-        f"ToMe ({TOME_GAMMA:+d})": FixedToMePolicy(MODEL, lat, acc, grid, gamma=TOME_GAMMA),
-        f"VPT ({VPT_GAMMA:+d})": FixedVPTPolicy(MODEL, lat, acc, grid, gamma=VPT_GAMMA),
+        "OTAS": OTASPolicy(m, lat, acc, grid),
+        "PetS": PetSPolicy(m, lat, acc, grid),
+        f"ToMe ({setup.tome_gamma:+d})": FixedToMePolicy(m, lat, acc, grid, gamma=setup.tome_gamma),
     }
+    if setup.vpt_gamma is not None:
+        policies[f"VPT ({setup.vpt_gamma:+d})"] = FixedVPTPolicy(m, lat, acc, grid, gamma=setup.vpt_gamma)
     if variants:
         policies["INFaaS"] = INFaaSPolicy(variants, switch_seconds)
     return policies
@@ -181,12 +228,13 @@ def score(result, workload: Workload, correct: dict | None, variant_correct: dic
 
 
 def run_trace(kind: str, cost, grid, correct, duration, seed, variants=None, switch_seconds=0.0,
-              variant_correct=None, log=print) -> dict:
+              variant_correct=None, log=print, setup: Setup = SETUPS[MODEL]) -> dict:
     from jaxserve.simulator import simulate
 
-    workload = make_workload(kind, duration, seed)
+    n_images = setup.n_images or min(len(v) for v in correct.values())
+    workload = make_workload(kind, duration, seed, n_images=n_images, query_types=setup.query_types, model=setup.model)
     out = {}
-    for name, policy in make_policies(cost, grid, variants, switch_seconds).items():
+    for name, policy in make_policies(cost, grid, variants, switch_seconds, setup).items():
         result = simulate(policy, workload.trace, _with_variants(cost, variants), instances=1)
         if name == "INFaaS":  # batch j ran on variant decisions[j].model (same order as the simulator's)
             per_batch = [variant_correct[d.model] for d in policy.decisions]
@@ -227,7 +275,8 @@ def plot_curves(results: dict, path: Path, title: str) -> None:
     save_plot(fig, ax, path)
 
 
-def report(all_results: dict, factor: float, duration: float) -> tuple[str, str]:
+def report(all_results: dict, factor: float, duration: float, setup: Setup = SETUPS[MODEL],
+           top_batch: int = 32) -> tuple[str, str]:
     body_parts = []
     for kind, results in all_results.items():
         pol = results["policies"]
@@ -259,43 +308,66 @@ def report(all_results: dict, factor: float, duration: float) -> tuple[str, str]
     if bur:
         ours.append(["OTAS success rate (bursty; paper: MAF)", f"{PAPER['success_maf']}%", f"{bur['OTAS']['types'][1]:.1%}"])
     body = "\n\n".join(body_parts) + "\n\nOurs next to the paper's:\n\n" + table(["metric", "paper", "ours"], ours)
-    notes = (f"Simulated (jaxserve/simulator.py driving the same policy objects as the server) with the demo ViT's "
-             f"cost model measured on this CPU, latencies scaled by {factor:.2f}x so that gamma 0 at batch 32 serves "
-             f"{PAPER_GAMMA0_RPS:.0f} req/s like the paper's ViT-B on an RTX 4080; ToMe baseline at gamma "
-             f"{TOME_GAMMA:+d} (the demo's counterpart of the paper's -15), VPT at {VPT_GAMMA:+d}. Utility counts u_r "
-             "of requests answered on time *and* correctly, correctness looked up per request from the real "
+    if setup.model == MODEL:
+        baselines = (f"ToMe baseline at gamma {TOME_GAMMA:+d} (the demo's counterpart of the paper's -15), VPT at "
+                     f"{VPT_GAMMA:+d}")
+    else:
+        baselines = (f"ToMe baseline at the paper's gamma {setup.tome_gamma:+d}; no VPT baseline and no gamma > 0 for "
+                     "OTAS (no prompts are trained for this model); INFaaS switches among the model truncated to "
+                     "fewer blocks")
+    notes = (f"Simulated (jaxserve/simulator.py driving the same policy objects as the server) with {setup.model}'s "
+             f"cost model measured on this CPU, latencies scaled by {factor:.4g}x so that gamma 0 at batch {top_batch} "
+             f"serves {PAPER_GAMMA0_RPS:.0f} req/s like the paper's ViT-B on an RTX 4080; {baselines}. Utility counts "
+             "u_r of requests answered on time *and* correctly, correctness looked up per request from the real "
              "executables' answers on held-out test images (not sampled from the profile).")
     return body, notes
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cost", default=str(Path(__file__).parent / "otas_cost_vit-demo.json"))
+    p.add_argument("--model", default=MODEL, choices=tuple(SETUPS))
+    p.add_argument("--cost", default=None, help="default: bench/otas_cost_<model>.json")
     p.add_argument("--duration", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--traces", default="synthetic,bursty")
-    p.add_argument("--variants", default=str(Path(__file__).parent / "otas_infaas_variants.json"))
+    p.add_argument("--variants", default=None, help="default: bench/otas_infaas_variants.json (vit-demo), "
+                   "bench/otas_infaas_variants_dinov2-s14.json (dinov2-s14; required: it also holds the per-image "
+                   "correctness at every gamma)")
     p.add_argument("--cache-dir", default="compiled_cache")
     p.add_argument("--write", action="store_true")
     add_quick(p, duration=10.0)
     args = apply_quick(p.parse_args())
     from jaxserve.profiler import load_cost_model
 
+    setup = SETUPS[args.model]
+    here = Path(__file__).parent
+    args.cost = args.cost or str(here / setup.cost)
+    args.variants = args.variants or str(here / setup.variants)
     measured = load_cost_model(args.cost)
-    cost, grid, factor = paper_scaled(measured)
-    correct = correctness_table(grid.gammas, args.cache_dir)
-    variants, switch, variant_correct = load_variants(Path(args.variants), factor, measured.latency[MODEL])
+    cost, grid, factor = paper_scaled(measured, setup.model)
+    if setup.model == MODEL:
+        correct = correctness_table(grid.gammas, args.cache_dir)
+    else:
+        correct = load_gamma_correct(Path(args.variants), grid.gammas)
+    variants, switch, variant_correct = load_variants(Path(args.variants), factor, measured.latency[setup.model],
+                                                      setup.model)
+    suffix = "" if setup.model == MODEL else f"_{setup.model}"
     all_results = {}
     for kind in args.traces.split(","):
         all_results[kind] = run_trace(kind, cost, grid, correct, args.duration, args.seed, variants, switch,
-                                      variant_correct)
-        plot_curves(all_results[kind], PLOTS / f"otas_utility_{kind}.png",
-                    f"cumulative utility, {kind} trace (simulated, paper rates)")
-    body, notes = report(all_results, factor, args.duration)
-    notes += "\n\n" + reading(all_results, measured, grid, args.variants)
-    notes += "\n\n" + " ".join(f"![{k}](plots/otas_utility_{k}.png)" for k in all_results)
+                                      variant_correct, setup=setup)
+        plot_curves(all_results[kind], PLOTS / f"otas_utility_{kind}{suffix}.png",
+                    f"cumulative utility, {kind} trace ({setup.model}, simulated, paper rates)")
+    body, notes = report(all_results, factor, args.duration, setup, grid.max_batch)
+    if setup.model == MODEL:
+        notes += "\n\n" + reading(all_results, measured, grid, args.variants)
+        title = "OTAS: utility and outcome types, simulated at the paper's rates"
+    else:
+        notes += "\n\n" + dinov2_reading(all_results, measured, grid, Path(args.variants), factor)
+        title = "OTAS on DINOv2 ViT-S/14: utility and outcome types against PetS, ToMe and INFaaS (truncated variants), simulated at the paper's rates"
+    notes += "\n\n" + " ".join(f"![{k}](plots/otas_utility_{k}{suffix}.png)" for k in all_results)
     if args.write:
-        record("otas-utility-sim", "OTAS: utility and outcome types, simulated at the paper's rates", body, notes)
+        record(setup.section, title, body, notes)
     print(body)
     print(notes)
 
@@ -337,18 +409,162 @@ def reading(all_results: dict, measured, grid, variants_path) -> str:
     return text
 
 
-def load_variants(path: Path, factor: float, cost_latency):
-    """INFaaS variants written by bench/otas_infaas_variants.py (or none)."""
+def check_variants(raw, base: str, where: str = "variants file") -> None:
+    """Raise ValueError, naming ``where`` and the field, unless ``raw`` is what
+    bench/otas_infaas_variants.py writes: ``switch_seconds`` >= 0; ``variants``, a non-empty list
+    with unique names, among them ``base`` (the model the cost model prices, which anchors the
+    others' latencies), each with ``latency`` [[batch, seconds > 0], ...] over the same batch
+    sizes as ``base``'s, ``accuracy`` {task: value in [0, 1]} over the same tasks as ``base``'s,
+    and ``correct`` {task: [bool, ...]} for exactly those tasks, each task's list as long for
+    every variant (the same test images)."""
+    def bad(msg):
+        raise ValueError(f"{where}: {msg}")
+
+    if not isinstance(raw, dict):
+        bad("not a JSON object")
+    sw = raw.get("switch_seconds")
+    if not isinstance(sw, (int, float)) or isinstance(sw, bool) or not math.isfinite(sw) or sw < 0:
+        bad(f"switch_seconds must be a finite number >= 0, got {sw!r}")
+    variants = raw.get("variants")
+    if not isinstance(variants, list) or not variants:
+        bad("variants must be a non-empty list")
+    names = [v.get("name") if isinstance(v, dict) else None for v in variants]
+    if any(not isinstance(n, str) or not n for n in names) or len(set(names)) != len(names):
+        bad(f"every variant needs a unique non-empty name, got {names}")
+    if base not in names:
+        bad(f"no variant named {base!r} (the cost model's model, which anchors the latencies); have {names}")
+    ref = variants[names.index(base)]
+    shape = {}
+    for v in [ref] + [v for v in variants if v is not ref]:
+        n = v["name"]
+        for key, kind in (("latency", list), ("accuracy", dict), ("correct", dict)):
+            if not isinstance(v.get(key), kind) or not v[key]:
+                bad(f"{n}: {key} must be a non-empty {kind.__name__}")
+        rows = v["latency"]
+        if any(not isinstance(r, list) or len(r) != 2 or not isinstance(r[0], int) or r[0] < 1
+               or not isinstance(r[1], (int, float)) or not math.isfinite(r[1]) or r[1] <= 0 for r in rows):
+            bad(f"{n}: latency rows must be [batch >= 1, seconds > 0]")
+        batches = sorted(r[0] for r in rows)
+        if any(not isinstance(a, (int, float)) or not 0 <= a <= 1 for a in v["accuracy"].values()):
+            bad(f"{n}: accuracy values must lie in [0, 1]")
+        if set(v["correct"]) != set(v["accuracy"]):
+            bad(f"{n}: correct covers tasks {sorted(v['correct'])}, accuracy {sorted(v['accuracy'])}")
+        lengths = {}
+        for t, c in v["correct"].items():
+            if not isinstance(c, list) or not c or any(not isinstance(x, bool) for x in c):
+                bad(f"{n}: correct[{t!r}] must be a non-empty list of booleans")
+            lengths[t] = len(c)
+        if not shape:
+            shape = {"batches": batches, "tasks": sorted(v["accuracy"]), "lengths": lengths}
+        elif batches != shape["batches"]:
+            bad(f"{n}: latency over batches {batches}, {base}'s over {shape['batches']}")
+        elif sorted(v["accuracy"]) != shape["tasks"]:
+            bad(f"{n}: tasks {sorted(v['accuracy'])}, {base}'s {shape['tasks']}")
+        elif lengths != shape["lengths"]:
+            bad(f"{n}: correct has {lengths} images per task, {base}'s {shape['lengths']}")
+
+
+def load_gamma_correct(path: Path, gammas) -> dict:
+    """{(task, gamma): bool[test images]} of the served model at every one of ``gammas``, from
+    the ``gamma_correct`` block bench/otas_infaas_variants.py --model dinov2-s14 writes; ValueError
+    naming the file when it lacks a gamma, or the lists of a task differ in length."""
+    if not path.exists():
+        raise ValueError(f"{path} is missing: run python -m bench.otas_infaas_variants --model dinov2-s14")
+    block = json.loads(path.read_text()).get("gamma_correct")
+    if not isinstance(block, dict) or not block:
+        raise ValueError(f"{path}: no gamma_correct block (per-image correctness per task and gamma)")
+    out = {}
+    for task, per_gamma in block.items():
+        missing = [g for g in gammas if str(int(g)) not in per_gamma]
+        if missing:
+            raise ValueError(f"{path}: gamma_correct[{task!r}] lacks gammas {missing}")
+        if len({len(per_gamma[str(int(g))]) for g in gammas}) != 1:
+            raise ValueError(f"{path}: gamma_correct[{task!r}] holds lists of different lengths")
+        for g in gammas:
+            out[(task, int(g))] = np.asarray(per_gamma[str(int(g))], bool)
+    return out
+
+
+def dinov2_reading(all_results: dict, measured, grid, variants_path: Path, factor: float) -> str:
+    """What the DINOv2 run says: the goals against the paper (utility vs PetS and INFaaS, success
+    rate), the variants INFaaS switched among (is the larger one the more accurate, as the paper
+    assumes?), and what the setting lacks (prompts)."""
+    lat, acc = measured.latency[DINOV2], measured.accuracy[DINOV2]
+    top = grid.max_batch
+    tasks = sorted({q[0] for q in DINOV2_QUERY_TYPES})
+    raw = json.loads(variants_path.read_text())
+    full = {b: t for b, t in next(v for v in raw["variants"] if v["name"] == DINOV2)["latency"]}
+    rows = sorted(raw["variants"], key=lambda v: v["depth"])
+    desc = "; ".join(
+        f"{v['depth']} blocks: {full[top] / dict(v['latency'])[top]:.2f}x the whole model's speed at batch {top}, "
+        + ", ".join(f"{t} {v['accuracy'][t]:.3f}" for t in tasks) + f", load {v['load_seconds']:.2f} s"
+        for v in rows)
+    monotone = {t: all(a["accuracy"][t] <= b["accuracy"][t] for a, b in zip(rows, rows[1:])) for t in tasks}
+    if all(monotone.values()):
+        premise = "the larger variant is the more accurate one on both tasks, as the paper assumes"
+    else:
+        premise = ("the paper's premise (larger = more accurate) holds on "
+                   + (", ".join(t for t, ok in monotone.items() if ok) or "neither task")
+                   + " only; it fails on " + ", ".join(t for t, ok in monotone.items() if not ok))
+    parts = []
+    for kind, r in all_results.items():
+        pol = r["policies"]
+        o = pol["OTAS"]
+        vs = {n: (o["utility"] / p["utility"] - 1) * 100 for n, p in pol.items() if n != "OTAS" and p["utility"]}
+        best = max(pol, key=lambda n: pol[n]["utility"])
+        inf = pol.get("INFaaS", {})
+        sw = inf.get("counters", {}).get("switches", 0)
+        parts.append(
+            f"{kind}: OTAS " + ", ".join(f"{v:+.1f}% vs {n}" for n, v in vs.items())
+            + f" ({'the most utility of all' if best == 'OTAS' else best + ' earns the most'}); success rate "
+            f"{o['types'][1]:.1%}; INFaaS switched {sw} times ({sw * raw['switch_seconds']:.0f} s of "
+            "loading, no batch run meanwhile)")
+    syn, bur = all_results.get("synthetic", {}).get("policies"), all_results.get("bursty", {}).get("policies")
+    goals = []
+    if syn:
+        g = (syn["OTAS"]["utility"] / syn["PetS"]["utility"] - 1) * 100
+        goals.append(f"vs PetS (synthetic) {g:+.1f}% against the paper's +{PAPER['vs_pets']}%: "
+                     f"{'met' if g >= PAPER['vs_pets'] else 'NOT met'}")
+        if "INFaaS" in syn:
+            g = (syn["OTAS"]["utility"] / syn["INFaaS"]["utility"] - 1) * 100
+            goals.append(f"vs INFaaS (synthetic) {g:+.1f}% against +{PAPER['vs_infaas']}%: "
+                         f"{'met' if g >= PAPER['vs_infaas'] else 'NOT met'}")
+        goals.append(f"success rate (synthetic) {syn['OTAS']['types'][1]:.1%} against {PAPER['success']}%")
+    if bur:
+        goals.append(f"success rate (bursty) {bur['OTAS']['types'][1]:.1%} against the paper's MAF "
+                     f"{PAPER['success_maf']}%")
+    fast = lat.latency_for(top, 0, 0) / lat.latency_for(top, 0, min(grid.gammas))
+    return ("**Against the paper:** " + "; ".join(goals) + ".\n\n"
+            f"INFaaS variants (DINOv2 truncated, own probes; held-out accuracy per task): {desc}; switch cost "
+            f"{raw['switch_seconds']:.2f} s (mean load, unscaled). So {premise}.\n\n"
+            "Computed: " + ". ".join(parts) + ".\n\n"
+            f"Setting: latencies x {factor:.4g} (batch {top} at gamma 0 -> {PAPER_GAMMA0_RPS:.0f} req/s); OTAS's "
+            f"fastest gamma ({min(grid.gammas):+d}) runs {fast:.2f}x gamma 0 at batch {top}; accuracy at gamma "
+            + ", ".join(f"{t} {acc.of(t, 0):.3f} (0) / {acc.of(t, DINOV2_TOME_GAMMA):.3f} ({DINOV2_TOME_GAMMA:+d}) / "
+                        f"{acc.of(t, min(grid.gammas)):.3f} ({min(grid.gammas):+d})" for t in tasks)
+            + ". No prompts are trained for DINOv2, so OTAS has no gamma > 0 and there is no VPT baseline: "
+            "every gamma share below is 0 or a merging gamma.")
+
+
+def load_variants(path: Path, factor: float, cost_latency, base: str = MODEL):
+    """INFaaS variants written by bench/otas_infaas_variants.py (or none, if ``path`` does not
+    exist), checked by :func:`check_variants`: (variants, switch seconds, {variant: {(task, 0):
+    bool[test images]}})."""
     if not path.exists():
         return None, 0.0, None
     from jaxserve.sched.base import AccuracyProfile, Cell, LatencyProfile, ShapeGrid
     from jaxserve.sched.otas import ModelVariant
 
     raw = json.loads(path.read_text())
+    check_variants(raw, base, str(path))
     # Anchor: the variants were timed together in another process; per batch size, scale them so
-    # that the base variant (the demo ViT, the same executable as OTAS's gamma 0) costs exactly
-    # what the cost model says. Relative speeds of S/B/L stay as measured side by side.
-    base = {int(b): float(t) for b, t in next(v for v in raw["variants"] if v["name"] == MODEL)["latency"]}
+    # that the base variant (the served model, the same executable as OTAS's gamma 0) costs exactly
+    # what the cost model says. Relative speeds of the variants stay as measured side by side.
+    base_rows = next(v for v in raw["variants"] if v["name"] == base)["latency"]
+    missing = [int(b) for b, _ in base_rows if Cell(int(b), 0, 0) not in cost_latency.seconds]
+    if missing:
+        raise ValueError(f"{path}: the cost model has no gamma-0 latency of {base} at batch {missing}")
+    base = {int(b): float(t) for b, t in base_rows}
     anchor = {b: cost_latency.latency_for(b, 0, 0) / t for b, t in base.items()}
     variants, correct = [], {}
     for v in raw["variants"]:
