@@ -662,6 +662,8 @@ ROWS: list[Row] = [
         _otas_utility, "reported"),
     Row("OTAS live on DINOv2 ViT-S/14, compute-bound (2 cores, paper's load ratio and SLOs)",
         ("otas-utility-live-dinov2-s14",), _otas_dinov2_live, _otas_dinov2_live_goal),
+    Row("OTAS on DINOv2 ViT-S/14 vs PetS / INFaaS-like (DINOv2 truncated to fewer blocks), simulated at the paper's "
+        "rates (synthetic trace); success rate", ("otas-utility-sim-dinov2-s14",), _otas_utility, "reported"),
     Row("QUART vs INFless-, InferLine-, Cocktail-like, simulated at the paper's scale (48 workers), Azure-shaped "
         "trace over 5 seeds (paper: −87.1%, −70.5%, −36.7% mean latency)", ("quart_sim",), _quart_sim, "reported"),
     Row("Tabi cascade vs MPNet alone on test, simulated at batch 1: accuracy and mean latency", ("tabi_sim",),
