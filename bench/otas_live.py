@@ -65,14 +65,11 @@ import numpy as np
 
 from bench.common import MetricsSampler, PLOTS, add_quick, apply_quick, record, save_plot, table
 from bench.load import start, stop
-from bench.otas_utility import MODEL, QUERY_TYPES, TOME_GAMMA, VPT_GAMMA, correctness_table, make_workload, score
-
-DINOV2 = "dinov2-s14"
-DINOV2_QUERY_TYPES = (  # Table II's rows with our two DINOv2 tasks (see the module docstring)
-    ("mnist", 0.6, 0.3), ("mnist", 1.0, 0.01),
-    ("animals", 0.6, 1.0), ("animals", 1.0, 0.2),
+from bench.otas_utility import (  # DINOV2_*: defined there, shared by both benches
+    DINOV2, DINOV2_QUERY_TYPES, DINOV2_TOME_GAMMA, MODEL, QUERY_TYPES, TOME_GAMMA, VPT_GAMMA, correctness_table,
+    make_workload, score,
 )
-DINOV2_TOME_GAMMA = -15  # the paper's fixed-ToMe gamma
+
 DINOV2_BATCHES = (1, 2, 4, 8)
 
 

@@ -418,6 +418,40 @@ def load_vit_checkpoint(checkpoint_dir) -> tuple[ViTConfig, ViT]:
     return config, nnx.merge(graphdef, restore_here(path / "state", abstract_state))
 
 
+def truncate_vit(model: ViT, depth: int) -> ViT:
+    """A ``depth``-layer ViT made of ``model``'s embeddings, its first ``depth`` blocks, its final
+    norm and its head (copies: the two models share no arrays). Its config is ``model``'s with
+    ``num_layers = depth``, so it has its own config key, compile-cache entries and prompt
+    repositories, and serves like any ViT. Its CLS output is ``model``'s CLS state after block
+    ``depth - 1`` put through the final norm: :func:`cls_by_depth`'s, the features its probes are
+    trained on. The final norm was trained on the last block's output; applying it at an earlier
+    depth is DINOv2's own choice for intermediate features (``get_intermediate_layers(norm=True)``).
+    ValueError unless 1 <= depth <= the model's depth."""
+    c = model.config
+    if not 1 <= depth <= c.num_layers:
+        raise ValueError(f"depth {depth} is not in 1..{c.num_layers} (the model's layers)")
+    state = export_timm_state_dict(model)
+    kept = {k: v for k, v in state.items() if not k.startswith("blocks.") or int(k.split(".")[1]) < depth}
+    return load_timm_state_dict(dataclasses.replace(c, num_layers=depth), kept)
+
+
+def cls_by_depth(model: ViT, pixels: jax.Array, depths) -> dict[int, jax.Array]:
+    """{depth: final-normed CLS state [B, D] after ``model``'s first ``depth`` blocks} for each of
+    ``depths`` (1..num_layers), from one forward pass at gamma 0 over normalised ``pixels``
+    [B, H, W, C]: what :func:`truncate_vit` (``model``, depth) returns as ``cls``, for every depth
+    at the cost of the deepest."""
+    depths = sorted({int(d) for d in depths})
+    if not depths or depths[0] < 1 or depths[-1] > model.config.num_layers:
+        raise ValueError(f"depths {depths} must lie in 1..{model.config.num_layers}")
+    x, size = embed_patches(model, pixels, ())
+    out = {}
+    for i in range(depths[-1]):
+        x, size = model.blocks[i](x, size, 0, num_protected=1)
+        if i + 1 in depths:
+            out[i + 1] = model.norm(x[:, 0])  # LayerNorm is per token: CLS alone equals norm(x)[:, 0]
+    return out
+
+
 def token_counts(
     config: ViTConfig, merge_r: tuple[int, ...] = (), num_prompts: int = 0, prompt_mode: str = "replace"
 ) -> tuple[int, ...]:

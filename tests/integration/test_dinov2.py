@@ -235,3 +235,34 @@ def test_served_runtime_normalises_per_channel_and_matches_the_model(fixture, tm
     np.testing.assert_allclose(item["logits"][:3], item["cls"] @ head_w + head_b, atol=1e-4)
     assert item["label"] == "abc"[int(np.argmax(item["logits"][:3]))]
     assert np.allclose(np.asarray(IMAGENET_MEAN), fixture["mean"]) and np.allclose(np.asarray(IMAGENET_STD), fixture["std"])
+
+
+def test_truncated_vit_is_the_full_models_state_at_that_depth():
+    """truncate_vit(model, d) returns, as its CLS, the full model's CLS state after d blocks put
+    through the final norm, as cls_by_depth gives it for every depth in one pass; the full depth is
+    the model's own CLS; a truncated model has its own config key and no arrays shared with the
+    original (changing the original leaves it as it was)."""
+    from jaxserve.models.vit import cls_by_depth, truncate_vit
+
+    cfg = dataclasses.replace(TINY_LS, num_layers=4)
+    model = init_vit(cfg, seed=7)
+    for i, block in enumerate(model.blocks):  # non-trivial LayerScale, distinct per layer
+        block.ls1[...] = jnp.full_like(block.ls1[...], 0.3 + 0.1 * i)
+        block.ls2[...] = jnp.full_like(block.ls2[...], 0.7 - 0.1 * i)
+    pixels = _pixels(cfg, batch=3)
+    by_depth = cls_by_depth(model, pixels, (1, 2, 3, 4))
+    np.testing.assert_allclose(np.asarray(by_depth[4]), np.asarray(forward(model, pixels)["cls"]), atol=1e-6)
+    assert not np.allclose(np.asarray(by_depth[2]), np.asarray(by_depth[4]), atol=1e-3)  # depths differ
+    for depth in (1, 2, 3):
+        small = truncate_vit(model, depth)
+        assert small.config.num_layers == depth and small.config.key() != cfg.key()
+        np.testing.assert_allclose(np.asarray(forward(small, pixels)["cls"]), np.asarray(by_depth[depth]), atol=1e-6)
+    small = truncate_vit(model, 2)
+    before = np.asarray(forward(small, pixels)["cls"])
+    model.blocks[0].ls1[...] = jnp.zeros_like(model.blocks[0].ls1[...])
+    np.testing.assert_array_equal(np.asarray(forward(small, pixels)["cls"]), before)
+    for bad in (0, 5):
+        with pytest.raises(ValueError):
+            truncate_vit(model, bad)
+    with pytest.raises(ValueError):
+        cls_by_depth(model, pixels, (2, 5))
