@@ -119,7 +119,9 @@ server keeps (oldest dropped).
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import Counter, deque
+from heapq import heapify, heappop, heappush
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Iterable, Mapping, Optional, Sequence
@@ -416,6 +418,7 @@ class _Pricer:
         self.model, self.latency, self.accuracy, self.grid, self.gammas = model, latency, accuracy, grid, gammas
         self._seconds: dict[tuple[int, int], float] = {}
         self._fastest: dict[int, float] = {}
+        self._slowest_fastest: float | None = None
         for g in gammas:  # fail at construction, not mid-run, if a column is missing
             self.seconds(grid.max_batch, g)
 
@@ -438,6 +441,12 @@ class _Pricer:
         if t is None:
             t = self._fastest[count] = min(self.seconds(count, g) for g in self.gammas)
         return t
+
+    def slowest_fastest(self) -> float:
+        """The largest :meth:`fastest_seconds` over the batch sizes the grid runs."""
+        if self._slowest_fastest is None:
+            self._slowest_fastest = max(self.fastest_seconds(n) for n in range(1, self.grid.max_batch + 1))
+        return self._slowest_fastest
 
     def utilities(self, requests: Sequence[Request], start: int = 0,
                   partial: Sequence[float] | None = None) -> list[float]:
@@ -469,7 +478,8 @@ class _QueuedBatch:
     recomputing them over every request made OTAS the slowest policy to simulate. Sums and
     options are of one pricer; a policy that reprices (a new ``_Pricer``) gets them afresh."""
 
-    __slots__ = ("key", "requests", "opened", "first_utility", "_deadline", "_sums", "_summed", "_options", "_by")
+    __slots__ = ("key", "requests", "opened", "first_utility", "_deadline", "_sums", "_summed", "_options", "_by",
+                 "queued", "_edd_entry", "_moment_entry")
 
     def __init__(self, key: int, first: Request, now: float) -> None:
         self.key = key
@@ -477,6 +487,9 @@ class _QueuedBatch:
         self.opened = now  # s_b, as seen by the policy
         self.first_utility = first.utility
         self._deadline = first.deadline
+        self.queued = False  # in a _BatchQueue (which keeps the two entries below)
+        self._edd_entry: tuple | None = None
+        self._moment_entry: tuple | None = None
         self._sums: list[float] | None = None  # utility sums over requests[:_summed]
         self._summed = 0
         self._options: list[GammaOption] | None = None  # of requests[:_summed]
@@ -519,6 +532,155 @@ class _QueuedBatch:
         return (self.deadline, self.opened, self.key)
 
 
+class _BatchQueue:
+    """The queued batches of a :class:`SelectiveBatchingPolicy`, indexed for what every event asks.
+
+    A plan used to scan every queued batch several times per event (admission, eviction, EDD
+    order, the wake-up), which made OTAS at 100+ instances (a queue of ~130 batches) the
+    slowest policy to simulate. Kept current on every change, through :meth:`open`,
+    :meth:`join`, :meth:`keep` and :meth:`remove` only:
+
+    * iteration and ``batches``: creation order (Alg. 1's "first batch found");
+    * :meth:`edd`: the batches sorted by :meth:`_QueuedBatch.sort_key`;
+    * :meth:`moments`: per batch ``(deadline - pricer.fastest_seconds(size), key, batch)``,
+      ascending: from that moment on its earliest-deadline request is hopeless (eviction and
+      the wake-up); rebuilt when asked with another pricer (a reprice, a variant switch);
+    * :meth:`first_fit`: Alg. 1's admission, looking only at batches still young enough to
+      accept joins, grouped by their opener's utility;
+    * ``depth``: the number of queued requests.
+
+    The answers equal brute force over the batches in creation order, to the bit
+    (tests/unit/test_otas_sched.py checks them after random operation sequences).
+    """
+
+    def __init__(self) -> None:
+        self.batches: dict[int, _QueuedBatch] = {}  # key -> batch, creation order
+        self.depth = 0
+        self._edd: list[tuple[float, float, int, _QueuedBatch]] = []
+        self._moments: list[tuple[float, int, _QueuedBatch]] = []
+        self._pricer: _Pricer | None = None  # the pricer _moments are of (None: not built)
+        # first_fit: per opener utility, the batches opened less than ``_delta`` before ``_seen``
+        # (creation order, hence opening order; some may have left the queue since)
+        self._young: dict[float, deque[_QueuedBatch]] | None = {}  # None: the clock went back, scan all
+        self._delta: float | None = None
+        self._seen = -math.inf  # the latest ``now`` first_fit was asked at
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches.values())
+
+    def open(self, qb: _QueuedBatch) -> None:
+        """Queue a new batch (its key larger than every queued one)."""
+        self.batches[qb.key] = qb
+        qb.queued = True
+        self.depth += len(qb.requests)
+        self._index(qb)
+        if self._young is not None:
+            group = self._young.get(qb.first_utility)
+            if group is None:
+                self._young[qb.first_utility] = group = deque()
+            group.append(qb)
+
+    def join(self, qb: _QueuedBatch, request: Request) -> None:
+        qb.add(request)
+        self.depth += 1
+        self._unindex(qb)
+        self._index(qb)
+
+    def keep(self, qb: _QueuedBatch, requests: list[Request]) -> None:
+        """:meth:`_QueuedBatch.keep`; a batch left empty leaves the queue."""
+        self.depth += len(requests) - len(qb.requests)
+        qb.keep(requests)
+        self._unindex(qb)
+        if requests:
+            self._index(qb)
+        else:
+            del self.batches[qb.key]
+            qb.queued = False
+
+    def remove(self, qb: _QueuedBatch) -> None:
+        del self.batches[qb.key]
+        qb.queued = False
+        self.depth -= len(qb.requests)
+        self._unindex(qb)
+
+    def edd(self) -> list[_QueuedBatch]:
+        """The batches in EDD order (deadline, then opening time, then creation)."""
+        return [e[3] for e in self._edd]
+
+    def moments(self, pricer: "_Pricer") -> list[tuple[float, int, _QueuedBatch]]:
+        """``(deadline - pricer.fastest_seconds(size), key, batch)`` per batch, ascending (do not modify)."""
+        if pricer is not self._pricer:
+            self._pricer = pricer
+            for qb in self.batches.values():
+                qb._moment_entry = (qb.deadline - pricer.fastest_seconds(len(qb.requests)), qb.key, qb)
+            self._moments = sorted(qb._moment_entry for qb in self.batches.values())
+        return self._moments
+
+    def first_fit(self, request: Request, now: float, batching: BatchingParams, cap: int) -> Optional[_QueuedBatch]:
+        """Alg. 1: the first batch in creation order that ``request`` may join at ``now``, or None."""
+        delta = batching.delta
+        deadline, utility, eta, mu = request.deadline, request.utility, batching.eta, batching.mu
+        if now < self._seen:  # the clock went back (never in the engine or the simulator): young no longer
+            self._young = None  # means "opened last", so scan every batch from now on
+        if self._young is None:
+            for qb in self.batches.values():
+                if (now - qb.opened < delta and len(qb.requests) < cap and _deadline_gap(deadline, qb.deadline) <= eta
+                        and _utility_ratio(utility, qb.first_utility) >= mu):
+                    return qb
+            return None
+        if delta != self._delta:  # new parameters: every queued batch may be young again
+            self._young = {}
+            for qb in self.batches.values():
+                self._young.setdefault(qb.first_utility, deque()).append(qb)
+            self._delta = delta
+        self._seen = now
+        best: Optional[_QueuedBatch] = None
+        for first_utility, group in list(self._young.items()):
+            # a batch too old to accept joins stays so (the clock only advances): forget it
+            while group and not (group[0].queued and now - group[0].opened < delta):
+                group.popleft()
+            if not group:
+                del self._young[first_utility]
+                continue
+            if _utility_ratio(utility, first_utility) < mu:
+                continue
+            for qb in group:  # all young: opened no earlier than the first
+                if best is not None and qb.key > best.key:
+                    break
+                if qb.queued and len(qb.requests) < cap and _deadline_gap(deadline, qb.deadline) <= eta:
+                    best = qb
+                    break
+        return best
+
+    def _index(self, qb: _QueuedBatch) -> None:
+        qb._edd_entry = entry = (qb.deadline, qb.opened, qb.key, qb)
+        insort(self._edd, entry)
+        if self._pricer is not None:
+            qb._moment_entry = moment = (qb.deadline - self._pricer.fastest_seconds(len(qb.requests)), qb.key, qb)
+            insort(self._moments, moment)
+
+    def _unindex(self, qb: _QueuedBatch) -> None:
+        _drop(self._edd, qb._edd_entry)
+        if self._pricer is not None:
+            _drop(self._moments, qb._moment_entry)
+
+
+def _drop(entries: list, entry: tuple) -> None:
+    """Remove ``entry`` (the object itself) from the sorted list ``entries``."""
+    i = bisect_left(entries, entry)
+    if i < len(entries) and entries[i] is entry:
+        del entries[i]
+    else:  # unordered values (a nan deadline): find it the slow way
+        del entries[next(j for j, e in enumerate(entries) if e is entry)]
+
+
+def _creation(qb: _QueuedBatch) -> int:
+    return qb.key
+
+
 def _deadline_gap(a: float, b: float) -> float:
     if math.isinf(a) and math.isinf(b) and (a > 0) == (b > 0):
         return 0.0
@@ -555,11 +717,12 @@ class SelectiveBatchingPolicy(Policy):
         self.batching = batching
         self.rate_window = rate_window
         self.start_time = start_time
-        self._queue: list[_QueuedBatch] = []
+        self._queue = _BatchQueue()
         self._next_key = 0
         self._arrivals: deque[float] = deque()
         self._inflight: dict[int, tuple[Request, float]] = {}  # id -> (request, accuracy)
         self._busy_until: dict[int, float] = {}  # instance -> estimated finish
+        self._finishes: list[tuple[float, int]] = []  # heap of (finish, instance), stale ones too: _free_at
         self.outcomes: dict[int, OutcomeType] = {}
         self.request_gamma: dict[int, int] = {}
         self.decisions: list[BatchDecision] = []
@@ -589,14 +752,11 @@ class SelectiveBatchingPolicy(Policy):
         self._arrivals.append(now)
         self.counters["arrived"] += 1
         cap = min(self.batching.epsilon, self._max_batch())
-        for qb in self._queue:  # creation order: the first batch found
-            if (now - qb.opened < self.batching.delta
-                    and len(qb.requests) < cap
-                    and _deadline_gap(request.deadline, qb.deadline) <= self.batching.eta
-                    and _utility_ratio(request.utility, qb.first_utility) >= self.batching.mu):
-                qb.add(request)
-                return
-        self._queue.append(_QueuedBatch(self._next_key, request, now))
+        qb = self._queue.first_fit(request, now, self.batching, cap)  # creation order: the first batch found
+        if qb is not None:
+            self._queue.join(qb, request)
+            return
+        self._queue.open(_QueuedBatch(self._next_key, request, now))
         self._next_key += 1
         self.counters["batches_formed"] += 1
 
@@ -624,14 +784,14 @@ class SelectiveBatchingPolicy(Policy):
         evicted = self._evict_hopeless(free_at)
         batches: list[Batch] = []
         if idle and self._queue and now >= self._blocked_until():
-            ordered = sorted(self._queue, key=_QueuedBatch.sort_key)
-            schedule = self._schedule(now, ordered)
+            ordered = self._queue.edd()
+            schedule = self._schedule(now, ordered, len(idle))
             for (qb, gamma, source), instance in zip(schedule, idle):
                 batches.append(self._dispatch(qb, gamma, source, instance, now))
         return Plan(tuple(batches), tuple(evicted), self._wake_at(now))
 
     def queue_depth(self) -> int:
-        return sum(len(qb.requests) for qb in self._queue)
+        return self._queue.depth
 
     def withdraw(self, request_id: int, now: float) -> bool:
         """Take a queued request out of its batch (its client went away); a batch left
@@ -641,9 +801,7 @@ class SelectiveBatchingPolicy(Policy):
         for qb in self._queue:
             for i, r in enumerate(qb.requests):
                 if r.id == request_id:
-                    qb.keep(qb.requests[:i] + qb.requests[i + 1:])
-                    if not qb.requests:
-                        self._queue.remove(qb)
+                    self._queue.keep(qb, qb.requests[:i] + qb.requests[i + 1:])  # an empty batch leaves
                     self.counters["withdrawn"] += 1
                     return True
         return False
@@ -683,8 +841,11 @@ class SelectiveBatchingPolicy(Policy):
 
     # ------------------------------------------------------------------ hooks
 
-    def _schedule(self, clock: float, ordered: list[_QueuedBatch]) -> list[tuple[_QueuedBatch, int, str]]:
-        """Batches to run, in order, each with its gamma and the deciding rule."""
+    def _schedule(self, clock: float, ordered: list[_QueuedBatch],
+                  slots: int) -> list[tuple[_QueuedBatch, int, str]]:
+        """Batches to run, in order, each with its gamma and the deciding rule. ``ordered``: the
+        queue in EDD order; only the first ``slots`` (>= 1, the idle instances) entries run, so
+        a rule that decides each batch from the ones before it may stop there."""
         raise NotImplementedError
 
     def _max_batch(self) -> int:
@@ -701,15 +862,28 @@ class SelectiveBatchingPolicy(Policy):
             self.start_time = now
 
     def _free_at(self, now: float, any_idle: bool) -> float:
-        t = now if any_idle or not self._busy_until else max(now, min(self._busy_until.values()))
+        if any_idle or not self._busy_until:
+            t = now
+        else:  # the earliest estimated finish: min(self._busy_until.values()), from the heap
+            finishes, busy = self._finishes, self._busy_until
+            while busy.get(finishes[0][1]) != finishes[0][0]:  # finished or re-dispatched since
+                heappop(finishes)
+            t = max(now, finishes[0][0])
         return max(t, self._blocked_until())
 
     def _evict_hopeless(self, free_at: float) -> list[int]:
         """Evict requests that miss their deadline even if their batch ran next, fastest."""
         evicted: list[int] = []
-        for qb in list(self._queue):
-            while qb.requests:
-                t = self._pricer.fastest_seconds(len(qb.requests))
+        pricer = self._pricer
+        moments = self._queue.moments(pricer)
+        # Only a batch whose moment (deadline - fastest time) is <= free_at can have free_at +
+        # fastest >= deadline; the margin (far above rounding) keeps every such batch, and each
+        # is checked exactly below, in creation order.
+        margin = 1e-9 * (1.0 + abs(free_at) + pricer.slowest_fastest())
+        due = bisect_left(moments, (free_at + margin, math.inf))
+        for qb in sorted((e[2] for e in moments[:due]), key=_creation):
+            while qb.queued:
+                t = pricer.fastest_seconds(len(qb.requests))
                 if free_at + t < qb.deadline:  # its earliest deadline: none is hopeless
                     break
                 hopeless = [r for r in qb.requests if free_at + t >= r.deadline]
@@ -718,9 +892,7 @@ class SelectiveBatchingPolicy(Policy):
                 for r in hopeless:
                     self.outcomes[r.id] = OutcomeType.EVICTED
                     evicted.append(r.id)
-                qb.keep([r for r in qb.requests if free_at + t < r.deadline])
-            if not qb.requests:
-                self._queue.remove(qb)
+                self._queue.keep(qb, [r for r in qb.requests if free_at + t < r.deadline])  # empty: it leaves
         self.counters["evicted"] += len(evicted)
         if evicted:
             self._trim_records()
@@ -752,6 +924,10 @@ class SelectiveBatchingPolicy(Policy):
         ids = tuple(r.id for r in qb.requests)
         start = max(now, self._blocked_until())
         self._busy_until[instance] = start + seconds
+        heappush(self._finishes, (start + seconds, instance))
+        if len(self._finishes) > 2 * len(self._busy_until) + 64:  # mostly stale: rebuild
+            self._finishes = [(f, i) for i, f in self._busy_until.items()]
+            heapify(self._finishes)
         self.decisions.append(BatchDecision(now, ids, pricer.model, cell, instance, source, seconds, utility))
         self.counters["dispatched_batches"] += 1
         self.counters[f"source_{source}"] += 1
@@ -759,16 +935,17 @@ class SelectiveBatchingPolicy(Policy):
         return Batch(ids, pricer.model, cell, instance)
 
     def _wake_at(self, now: float) -> float:
+        """The earliest moment after ``now`` at which a queued request becomes hopeless
+        (``deadline - fastest time of its batch``), or the end of a block (INFaaS's load)."""
         wake = math.inf
         blocked = self._blocked_until()
         if blocked > now and self._queue:
             wake = blocked
-        for qb in self._queue:
-            t = self._pricer.fastest_seconds(len(qb.requests))
-            first = qb.deadline - t  # subtraction is monotone: no request's moment comes earlier
-            if now < first:
-                wake = min(wake, first)
-                continue
+        pricer = self._pricer
+        for first, _, qb in self._queue.moments(pricer):  # ascending
+            if now < first:  # subtraction is monotone: no request of this batch or later ones comes earlier
+                return min(wake, first)
+            t = pricer.fastest_seconds(len(qb.requests))
             for r in qb.requests:
                 when = r.deadline - t  # from then on the request is hopeless
                 if now < when < wake:
@@ -825,17 +1002,20 @@ class OTASPolicy(SelectiveBatchingPolicy):
     def from_cost_model(cls, cost: CostModel, model: str, grid: ShapeGrid, **kwargs) -> "OTASPolicy":
         return cls(model, cost.latency[model], cost.accuracy[model], grid, **kwargs)
 
-    def _schedule(self, clock, ordered):
+    def _schedule(self, clock, ordered, slots):
         pricer = self._pricer
-        options = [qb.options(pricer) for qb in ordered]
-        deadlines = [qb.deadline for qb in ordered]
         in_initial = self.start_time is not None and clock - self.start_time < self.params.initial_stage
         if len(ordered) <= self.params.beta or in_initial:
             load_gamma = self.load_map(self.arrival_rate(clock))
-            means = [sum(r.utility for r in qb.requests) / len(qb.requests) for qb in ordered]
+            head = ordered[:slots]  # Alg. 3 decides each batch from the ones before it: the rest cannot run now
+            options = [qb.options(pricer) for qb in head]
+            deadlines = [qb.deadline for qb in head]
+            means = [sum(r.utility for r in qb.requests) / len(qb.requests) for qb in head]
             chosen = manual_allocate(deadlines, means, options, clock, load_gamma, self.params.kappa)
             self.counters["alg3_runs"] += 1
-            return [(qb, g, "load") for qb, g in zip(ordered, chosen)]
+            return [(qb, g, "load") for qb, g in zip(head, chosen)]
+        options = [qb.options(pricer) for qb in ordered]
+        deadlines = [qb.deadline for qb in ordered]
         solution = solve_token_dp(deadlines, options, clock, self.params.max_labels)
         self.last_solution = solution
         self.counters["dp_runs"] += 1
@@ -866,8 +1046,8 @@ class FixedGammaPolicy(SelectiveBatchingPolicy):
         super().__init__(_pricer_from(model, latency, accuracy, grid, (gamma,)), batching, rate_window, start_time)
         self.gamma = gamma
 
-    def _schedule(self, clock, ordered):
-        return [(qb, self.gamma, "fixed") for qb in ordered]
+    def _schedule(self, clock, ordered, slots):
+        return [(qb, self.gamma, "fixed") for qb in ordered[:slots]]
 
 
 class PetSPolicy(FixedGammaPolicy):
@@ -957,7 +1137,7 @@ class INFaaSPolicy(SelectiveBatchingPolicy):
     def _blocked_until(self) -> float:
         return self._loading_until
 
-    def _schedule(self, clock, ordered):
+    def _schedule(self, clock, ordered, slots):
         if clock - self._last_decision >= self.decision_interval:
             self._last_decision = clock
             target = self.select_variant(self.arrival_rate(clock))
@@ -967,7 +1147,7 @@ class INFaaSPolicy(SelectiveBatchingPolicy):
                 if self.switch_seconds > 0:
                     self._loading_until = clock + self.switch_seconds
                     return []
-        return [(qb, 0, "variant") for qb in ordered]
+        return [(qb, 0, "variant") for qb in ordered[:slots]]
 
 
 # --------------------------------------------------------------------------- serving glue

@@ -568,3 +568,144 @@ def test_a_queued_batch_keeps_its_deadline_and_options_current_across_changes_an
     assert qb.options(p3) == p3.options(qb.requests)
     assert all(o.utility == pytest.approx(0.5 * sum(r.utility for r in qb.requests)) for o in qb.options(p3))
     assert p3.fastest_seconds(4) == min(p3.seconds(4, g) for g in GAMMAS)
+
+
+def _brute_first_fit(batches, r, now, batching, cap):
+    """Alg. 1 as a scan of every batch in creation order."""
+    from jaxserve.sched.otas import _deadline_gap, _utility_ratio
+
+    for qb in batches:
+        if (now - qb.opened < batching.delta and len(qb.requests) < cap
+                and _deadline_gap(r.deadline, qb.deadline) <= batching.eta
+                and _utility_ratio(r.utility, qb.first_utility) >= batching.mu):
+            return qb
+    return None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batch_queue_indexes_equal_brute_force_after_random_operations(seed):
+    """Every answer of the indexed queue (creation order, depth, EDD order, moments, Alg. 1's
+    first fit) equals a scan of all batches, after each of a random sequence of opens, joins,
+    keeps (evictions, withdrawals: possibly emptying a batch), removals (dispatches), reprices,
+    clock steps (one run also steps the clock back) and batching parameters."""
+    from jaxserve.sched.otas import _BatchQueue, _Pricer, _QueuedBatch
+
+    rng = random.Random(seed)
+    pricers = [_Pricer("vit", LAT, ACCP, GRID, GAMMAS),
+               _Pricer("vit", latency_profile(scale={g: 3 * s for g, s in SCALE.items()}), ACCP, GRID, GAMMAS)]
+    pricer = pricers[0]
+    q, shadow = _BatchQueue(), []  # shadow: the batches, creation order
+    batching = BatchingParams(delta=0.3, epsilon=4, eta=0.2, mu=0.8)
+    now, rid, key = 0.0, 0, 0
+
+    def request():
+        nonlocal rid
+        rid += 1
+        d = rng.choice([math.inf, now + rng.choice([0.1, 0.25, 0.5]), now + rng.uniform(0.05, 0.6)])
+        return req(rid, now, deadline=d, utility=rng.choice([0.0, 0.01, 0.2, 0.3, 0.35, 1.0]))
+
+    for step in range(1500):
+        op = rng.random()
+        if op < 0.35:  # an arrival, as on_arrival does it
+            r = request()
+            cap = rng.choice([2, 4])
+            qb = q.first_fit(r, now, batching, cap)
+            assert qb is _brute_first_fit(shadow, r, now, batching, cap)
+            if qb is None:
+                qb = _QueuedBatch(key, r, now)
+                key += 1
+                q.open(qb)
+                shadow.append(qb)
+            else:
+                q.join(qb, r)
+        elif op < 0.45 and shadow:
+            qb = rng.choice(shadow)
+            q.keep(qb, [r for r in qb.requests if rng.random() < 0.6])
+            if not qb.requests:
+                shadow.remove(qb)
+        elif op < 0.55 and shadow:
+            qb = rng.choice(shadow)
+            q.remove(qb)
+            shadow.remove(qb)
+        elif op < 0.6:
+            pricer = rng.choice(pricers)
+        elif op < 0.62:
+            batching = BatchingParams(delta=rng.choice([0.1, 0.3, 0.6]), epsilon=4, eta=rng.choice([0.05, 0.2]),
+                                      mu=rng.choice([0.5, 0.8]))
+        elif op < 0.625 and seed == 0 and step > 700:
+            now -= 0.2  # the clock goes back: admission falls back to scanning every batch
+        else:
+            now += rng.choice([0.0, 0.01, 0.05, 0.2])
+        assert list(q) == shadow and len(q) == len(shadow)
+        assert q.depth == sum(len(qb.requests) for qb in shadow)
+        assert q.edd() == sorted(shadow, key=lambda qb: qb.sort_key())
+        if rng.random() < 0.5:
+            expected = sorted((qb.deadline - pricer.fastest_seconds(len(qb.requests)), qb.key) for qb in shadow)
+            got = q.moments(pricer)
+            assert [(m, k) for m, k, _ in got] == expected
+            assert all(q.batches[k] is qb for _, k, qb in got)
+
+
+def _brute_evictions(policy, free_at):
+    """The hopeless requests as a scan of every batch (creation order) finds them, without acting."""
+    out = []
+    for qb in policy._queue:
+        requests = list(qb.requests)
+        while requests:
+            t = policy._pricer.fastest_seconds(len(requests))
+            if free_at + t < min(r.deadline for r in requests):
+                break
+            hopeless = [r for r in requests if free_at + t >= r.deadline]
+            if not hopeless:
+                break
+            out += [r.id for r in hopeless]
+            requests = [r for r in requests if free_at + t < r.deadline]
+    return out
+
+
+def _brute_wake(policy, now):
+    wake = math.inf
+    blocked = policy._blocked_until()
+    if blocked > now and len(policy._queue):
+        wake = blocked
+    for qb in policy._queue:
+        t = policy._pricer.fastest_seconds(len(qb.requests))
+        for r in qb.requests:
+            when = r.deadline - t
+            if now < when < wake:
+                wake = when
+    return wake
+
+
+@pytest.mark.parametrize("make", [lambda: otas(params=OTASParams(initial_stage=0.3)),
+                                  lambda: PetSPolicy("vit", LAT, ACCP, GRID),
+                                  lambda: INFaaSPolicy(variants(), switch_seconds=0.05, decision_interval=0.2)])
+def test_indexed_eviction_and_wake_up_equal_a_scan_of_every_request(make):
+    """Under overload on two instances, each plan evicts exactly the requests (and in the order)
+    a scan of every queued batch finds hopeless, and wakes exactly when the first remaining one
+    becomes hopeless (or a load ends)."""
+    p = make()
+    latency = {"vit": LAT, **{v.name: v.latency for v in variants()}}
+    rng = random.Random(7)
+    requests = bursty_requests(3, n=600)
+    busy: dict[int, tuple[float, object]] = {}
+    seen_evictions = 0
+    for r in requests:
+        now = r.arrival
+        for inst, (f, b) in sorted(busy.items(), key=lambda x: x[1][0]):
+            if f <= now:
+                del busy[inst]
+                p.on_completion(b, f)
+        p.on_arrival(r, now)
+        idle = [i for i in range(2) if i not in busy]
+        ends = list(p._busy_until.values())
+        free_at = now if idle or not ends else max(now, min(ends))
+        free_at = max(free_at, p._blocked_until())
+        expected = _brute_evictions(p, free_at)
+        plan = p.plan(now, idle)
+        assert list(plan.evict) == expected
+        seen_evictions += len(expected)
+        assert plan.wake_at == _brute_wake(p, now)
+        for b in plan.batches:
+            busy[b.instance] = (now + latency[b.model].latency(b.cell) * rng.choice([1.0, 2.5]), b)
+    assert seen_evictions > 0
