@@ -120,7 +120,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from heapq import heapify, heappop, heappush
 from dataclasses import dataclass
 from enum import IntEnum
@@ -419,6 +419,7 @@ class _Pricer:
         self._seconds: dict[tuple[int, int], float] = {}
         self._fastest: dict[int, float] = {}
         self._slowest_fastest: float | None = None
+        self._rows: dict[str, tuple[float, ...]] = {}  # task -> accuracy per gamma
         for g in gammas:  # fail at construction, not mid-run, if a column is missing
             self.seconds(grid.max_batch, g)
 
@@ -453,16 +454,28 @@ class _Pricer:
         """Per gamma (in :attr:`gammas` order), the sum over ``requests`` of accuracy x
         utility, summed in request order; ``partial``: the sums over ``requests[:start]``,
         continued from there (the same floating-point sequence as summing all of them)."""
-        out = []
-        for k, g in enumerate(self.gammas):
-            u = 0.0 if partial is None else partial[k]
-            for r in requests[start:]:
-                try:
-                    u += self.accuracy.of(r.task, g) * r.utility
-                except KeyError:
-                    raise KeyError(f"no accuracy profiled for task {r.task!r} at gamma {g} ({self.model})") from None
-            out.append(u)
-        return out
+        rows = self._rows
+        sums = [0.0] * len(self.gammas) if partial is None else list(partial)
+        for r in requests[start:]:
+            row = rows.get(r.task)
+            if row is None:
+                row = self._row(r.task, requests[start:])
+            u = r.utility
+            sums = [s + a * u for s, a in zip(sums, row)]  # per gamma: the same additions, in request order
+        return sums
+
+    def _row(self, task: str, requests: Sequence[Request]) -> tuple[float, ...]:
+        """The accuracy of ``task`` per gamma (cached); a KeyError names the first hole, gamma by
+        gamma, among ``requests``' tasks."""
+        try:
+            row = self._rows[task] = tuple(self.accuracy.of(task, g) for g in self.gammas)
+        except KeyError:
+            for g in self.gammas:
+                for r in requests:
+                    if (r.task, g) not in self.accuracy.accuracy:
+                        raise KeyError(f"no accuracy profiled for task {r.task!r} at gamma {g} ({self.model})") from None
+            raise
+        return row
 
     def options(self, requests: Sequence[Request], utilities: Sequence[float] | None = None) -> list[GammaOption]:
         """The batch's gamma options; ``utilities``: :meth:`utilities` of ``requests``, if known."""
@@ -559,10 +572,11 @@ class _BatchQueue:
         self._edd: list[tuple[float, float, int, _QueuedBatch]] = []
         self._moments: list[tuple[float, int, _QueuedBatch]] = []
         self._pricer: _Pricer | None = None  # the pricer _moments are of (None: not built)
-        # first_fit: per opener utility, the batches opened less than ``_delta`` before ``_seen``
+        # first_fit: per opener utility, the batches opened less than ``batching.delta`` before ``_seen``
         # (creation order, hence opening order; some may have left the queue since)
         self._young: dict[float, deque[_QueuedBatch]] | None = {}  # None: the clock went back, scan all
-        self._delta: float | None = None
+        self._batching: BatchingParams | None = None  # the parameters _young and _similar are for
+        self._similar: dict[tuple[float, float], bool] = {}  # (utility, opener's utility) -> ratio >= mu
         self._seen = -math.inf  # the latest ``now`` first_fit was asked at
 
     def __len__(self) -> int:
@@ -631,21 +645,30 @@ class _BatchQueue:
                         and _utility_ratio(utility, qb.first_utility) >= mu):
                     return qb
             return None
-        if delta != self._delta:  # new parameters: every queued batch may be young again
-            self._young = {}
-            for qb in self.batches.values():
-                self._young.setdefault(qb.first_utility, deque()).append(qb)
-            self._delta = delta
+        if batching is not self._batching:
+            if self._batching is None or batching != self._batching:  # every queued batch may be young again
+                self._young = {}
+                for qb in self.batches.values():
+                    self._young.setdefault(qb.first_utility, deque()).append(qb)
+                self._similar = {}
+            self._batching = batching
         self._seen = now
+        similar = self._similar
+        if len(similar) > 4096:  # many distinct utilities
+            similar.clear()
         best: Optional[_QueuedBatch] = None
-        for first_utility, group in list(self._young.items()):
+        gone = None
+        for first_utility, group in self._young.items():
             # a batch too old to accept joins stays so (the clock only advances): forget it
             while group and not (group[0].queued and now - group[0].opened < delta):
                 group.popleft()
             if not group:
-                del self._young[first_utility]
+                gone = [first_utility] if gone is None else gone + [first_utility]
                 continue
-            if _utility_ratio(utility, first_utility) < mu:
+            ok = similar.get((utility, first_utility))
+            if ok is None:
+                ok = similar[(utility, first_utility)] = _utility_ratio(utility, first_utility) >= mu
+            if not ok:
                 continue
             for qb in group:  # all young: opened no earlier than the first
                 if best is not None and qb.key > best.key:
@@ -653,6 +676,9 @@ class _BatchQueue:
                 if qb.queued and len(qb.requests) < cap and _deadline_gap(deadline, qb.deadline) <= eta:
                     best = qb
                     break
+        if gone is not None:
+            for first_utility in gone:
+                del self._young[first_utility]
         return best
 
     def _index(self, qb: _QueuedBatch) -> None:
@@ -723,8 +749,9 @@ class SelectiveBatchingPolicy(Policy):
         self._inflight: dict[int, tuple[Request, float]] = {}  # id -> (request, accuracy)
         self._busy_until: dict[int, float] = {}  # instance -> estimated finish
         self._finishes: list[tuple[float, int]] = []  # heap of (finish, instance), stale ones too: _free_at
-        self.outcomes: dict[int, OutcomeType] = {}
-        self.request_gamma: dict[int, int] = {}
+        # insertion-ordered like dicts, and the oldest record leaves in O(1) (_trim_records)
+        self.outcomes: dict[int, OutcomeType] = OrderedDict()
+        self.request_gamma: dict[int, int] = OrderedDict()
         self.decisions: list[BatchDecision] = []
         self.counters: Counter[str] = Counter()
         self.expected_utility = 0.0
@@ -779,7 +806,7 @@ class SelectiveBatchingPolicy(Policy):
 
     def plan(self, now: float, idle_instances: Sequence[int]) -> Plan:
         self._start(now)
-        idle = list(idle_instances)
+        idle = idle_instances if isinstance(idle_instances, (list, tuple)) else list(idle_instances)
         free_at = self._free_at(now, bool(idle))
         evicted = self._evict_hopeless(free_at)
         batches: list[Batch] = []
@@ -905,7 +932,10 @@ class SelectiveBatchingPolicy(Policy):
             return
         for records in (self.outcomes, self.request_gamma):
             while len(records) > limit:
-                del records[next(iter(records))]
+                if isinstance(records, OrderedDict):
+                    records.popitem(last=False)
+                else:  # replaced by a plain dict: next(iter()) walks the dict's deleted prefix
+                    del records[next(iter(records))]
         if len(self.decisions) > 2 * limit:
             del self.decisions[: len(self.decisions) - limit]
 

@@ -709,3 +709,38 @@ def test_indexed_eviction_and_wake_up_equal_a_scan_of_every_request(make):
         for b in plan.batches:
             busy[b.instance] = (now + latency[b.model].latency(b.cell) * rng.choice([1.0, 2.5]), b)
     assert seen_evictions > 0
+
+
+def test_records_beyond_the_limit_leave_oldest_first():
+    """record_limit keeps the newest outcomes and gammas, in the order they were recorded."""
+    p = PetSPolicy("vit", LAT, ACCP, GRID)
+    p.record_limit = 3
+    for i in range(10):
+        p.on_arrival(req(i, 0.1 * i, deadline=0.1 * i + (5.0 if i % 3 else 1e-6)), 0.1 * i)
+        plan = p.plan(0.1 * i, [0])
+        for b in plan.batches:
+            p.on_completion(b, 0.1 * i + 0.01)
+    assert list(p.outcomes) == [7, 8, 9] and list(p.request_gamma) == [5, 7, 8]  # 6 and 9: evicted
+    assert p.outcomes[9] == OutcomeType.EVICTED and p.outcomes[8] == OutcomeType.ACCURATE_ON_TIME
+
+
+def test_pricer_utility_sums_equal_a_plain_sum_per_gamma_to_the_bit():
+    """_Pricer.utilities sums accuracy x utility per gamma in request order: the same floats as a
+    plain loop (continued from partial sums too), and a task without a profile names the first hole."""
+    from jaxserve.sched.otas import _Pricer
+
+    pricer = _Pricer("vit", LAT, ACCP, GRID, GAMMAS)
+    rng = random.Random(3)
+    rs = [req(i, 0.0, utility=rng.choice([0.1, 0.2, 0.3, 0.01, 1 / 3]), task=rng.choice(["c10", "c100"]))
+          for i in range(40)]
+    plain = []
+    for g in pricer.gammas:
+        u = 0.0
+        for r in rs:
+            u += ACCP.of(r.task, g) * r.utility
+        plain.append(u)
+    assert [x.hex() for x in pricer.utilities(rs)] == [x.hex() for x in plain]
+    head = pricer.utilities(rs[:17])
+    assert [x.hex() for x in pricer.utilities(rs, 17, head)] == [x.hex() for x in plain]
+    with pytest.raises(KeyError, match="'dogs' at gamma -10"):
+        pricer.utilities([rs[0], req(99, 0.0, task="dogs")])
