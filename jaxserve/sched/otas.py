@@ -14,8 +14,8 @@ the gamma (or, for INFaaS, the model variant) of each batch:
 * :class:`INFaaSPolicy` — model switching among variants (e.g. ViT-S/B/L), paying a
   switching cost each time it changes variant.
 
-Everything is plain Python: the clock is the ``now`` argument, costs come from the
-profiles (:class:`~jaxserve.sched.base.LatencyProfile`,
+Everything is plain Python (numpy for the DP's large stages): the clock is the ``now``
+argument, costs come from the profiles (:class:`~jaxserve.sched.base.LatencyProfile`,
 :class:`~jaxserve.sched.base.AccuracyProfile`), decisions come back as a
 :class:`~jaxserve.sched.base.Plan`.
 
@@ -125,6 +125,8 @@ from heapq import heapify, heappop, heappush
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Iterable, Mapping, Optional, Sequence
+
+import numpy as np
 
 from jaxserve.sched.base import (
     AccuracyProfile,
@@ -265,6 +267,8 @@ def solve_token_dp(
     options: Sequence[Sequence[GammaOption]],
     start: float,
     max_labels: int = 128,
+    *,
+    undominated: Sequence[Sequence[tuple[int, GammaOption]]] | None = None,
 ) -> DPSolution:
     """Alg. 2: the gamma of each batch (or None, l_b = 0) maximising total utility.
 
@@ -272,46 +276,162 @@ def solve_token_dp(
     already in EDD order (Alg. 2 line 1) and executed one after another from ``start``;
     an executed batch must finish strictly before its deadline. Among equal utility the
     earlier finishing clock wins. See the module docstring for the fixes to the paper.
+    ``undominated``: ``_undominated(options[b])`` per batch, if the caller keeps them.
+
+    Per batch, every label of the previous frontier is extended by "skip" and by each
+    undominated option that meets the deadline; the candidates, ordered by (clock, higher
+    utility first, parent, option), keep a label iff its utility strictly exceeds the last
+    kept one's (and is not equal to it within 1e-9 relative); a frontier above ``max_labels``
+    is thinned evenly. A large stage runs in numpy (:func:`_dp_stage_numpy`), a small one in
+    Python (:func:`_dp_stage_python`): the same floating-point operations, hence the same
+    labels to the bit (tests/unit/test_otas_sched.py compares them with a plain transcription).
     """
     if len(deadlines) != len(options):
         raise ValueError("one option list per batch")
     if max_labels < 2:
         raise ValueError("max_labels must be at least 2")
-    # label: (utility, clock, parent index in previous stage, option index or -1 = skip)
-    stages: list[list[tuple[float, float, int, int]]] = [[(0.0, start, -1, -1)]]
+    if undominated is not None and len(undominated) != len(options):
+        raise ValueError("one undominated list per batch")
+    # The frontier, in candidate order (clocks ascending, utilities ascending): its clocks and
+    # its utilities negated (so that ascending (clock, -utility) is the candidate order); lists
+    # or arrays, whichever the last stage made. -(u + x) == -u - x exactly, so no value differs.
+    clocks: list[float] | np.ndarray = [start]
+    negs: list[float] | np.ndarray = [-0.0]
+    links: list[tuple] = []  # per batch, how each label of its frontier was made (see _dp_parent)
     truncated = False
     widest = 1
-    for deadline, opts in zip(deadlines, options):
-        useful = _undominated(opts)
-        candidates: list[tuple[float, float, int, int]] = []
-        for parent, (u, c, _, _) in enumerate(stages[-1]):
-            candidates.append((u, c, parent, -1))
-            for k, o in useful:
-                finish = c + o.seconds
-                if finish < deadline:
-                    candidates.append((u + o.utility, finish, parent, k))
-        # Pareto frontier: by clock, keep a label only if it strictly improves utility.
-        candidates.sort(key=lambda lab: (lab[1], -lab[0]))
-        frontier: list[tuple[float, float, int, int]] = []
-        for lab in candidates:
-            if not frontier or (lab[0] > frontier[-1][0] and not _same_utility(lab[0], frontier[-1][0])):
-                frontier.append(lab)
-        if len(frontier) > max_labels:
-            truncated = True
-            step = (len(frontier) - 1) / (max_labels - 1)
-            frontier = [frontier[round(i * step)] for i in range(max_labels)]
-        widest = max(widest, len(frontier))
-        stages.append(frontier)
-    best = len(stages[-1]) - 1  # the frontier's last label: max utility, earliest among ties
-    utility, finish = stages[-1][best][0], stages[-1][best][1]
+    for b, deadline in enumerate(deadlines):
+        useful = _undominated(options[b]) if undominated is None else undominated[b]
+        if len(clocks) * (len(useful) + 1) >= _DP_NUMPY_FROM:
+            stage = _dp_stage_numpy(clocks, negs, useful, deadline, max_labels)
+        else:
+            if isinstance(clocks, np.ndarray):
+                clocks, negs = clocks.tolist(), negs.tolist()
+            stage = _dp_stage_python(clocks, negs, useful, deadline, max_labels)
+        clocks, negs, link, thinned = stage
+        truncated = truncated or thinned
+        widest = max(widest, len(clocks))
+        links.append(link)
+    best = len(clocks) - 1  # the frontier's last label: max utility, earliest among ties
+    utility, finish = -float(negs[best]), float(clocks[best])
     gammas: list[Optional[int]] = []
     index = best
-    for b in range(len(deadlines), 0, -1):
-        _, _, parent, k = stages[b][index]
-        gammas.append(None if k < 0 else options[b - 1][k].gamma)
-        index = parent
+    for b in range(len(deadlines) - 1, -1, -1):
+        index, k = _dp_parent(links[b], index)
+        gammas.append(None if k < 0 else options[b][k].gamma)
     gammas.reverse()
     return DPSolution(tuple(gammas), utility, finish, widest, truncated)
+
+
+_DP_NUMPY_FROM = 160  # candidate labels from which a DP stage runs in numpy (the same labels, faster)
+_THIN: dict[tuple[int, int], list[int]] = {}
+
+
+def _thin(n: int, max_labels: int) -> list[int]:
+    """The positions an evenly thinned frontier of ``n`` labels keeps (the extremes included)."""
+    pick = _THIN.get((n, max_labels))
+    if pick is None:
+        step = (n - 1) / (max_labels - 1)
+        pick = _THIN[(n, max_labels)] = [round(i * step) for i in range(max_labels)]
+        if len(_THIN) > 4096:
+            _THIN.clear()
+    return pick
+
+
+def _dp_keep_near_ties(sn: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """The sequential rule of :func:`_dp_stage_python` on sorted negated utilities ``sn``
+    (``low``: their running minimum), visiting only the labels it may keep: a label that
+    was not kept lies at most 1e-9 relative below the last kept one, so the last kept one
+    is within 2e-9 (relative) of the running minimum, and a label above that never passes."""
+    lows = low[:-1]
+    maybe = np.flatnonzero(sn[1:] < lows + 2e-9 * np.maximum(1.0, np.abs(lows))) + 1
+    kept = [0]
+    last = float(sn[0])
+    for i, n in zip(maybe.tolist(), sn[maybe].tolist()):
+        if n < last and last - n > 1e-9 * max(1.0, abs(n), abs(last)):
+            kept.append(i)
+            last = n
+    return np.array(kept, dtype=np.intp)
+
+
+def _dp_parent(link: tuple, index: int) -> tuple[int, int]:
+    """(index of the parent label, option index or -1 = skip) of label ``index`` of a stage."""
+    if link[0] == "py":
+        return link[1][index], link[2][index]
+    _, flat, width, columns = link  # candidate flat = parent * width + column (0: skip)
+    parent, column = divmod(int(flat[index]), width)
+    return parent, columns[column]
+
+
+def _dp_stage_python(clocks: list[float], negs: list[float], useful: Sequence[tuple[int, GammaOption]],
+                     deadline: float, max_labels: int) -> tuple:
+    """One DP stage over plain lists: (clocks, negated utilities, link, thinned)."""
+    n_labels = len(clocks)
+    candidates = list(zip(clocks, negs, range(n_labels), [-1] * n_labels))
+    for k, o in useful:
+        seconds, gain = o.seconds, o.utility
+        for p in range(n_labels):
+            finish = clocks[p] + seconds
+            if not finish < deadline:  # clocks ascend, so do the finishes: no later label fits
+                break
+            candidates.append((finish, negs[p] - gain, p, k))
+    candidates.sort()  # (clock, -utility, parent, option): ties in the order they were made
+    fc: list[float] = []
+    fn: list[float] = []
+    fp: list[int] = []
+    fk: list[int] = []
+    last = math.inf
+    for c, n, p, k in candidates:
+        # keep a strictly better utility, unless equal to the last kept within 1e-9 (_same_utility)
+        if n < last and (not fn or last - n > 1e-9 * max(1.0, abs(n), abs(last))):
+            fc.append(c)
+            fn.append(n)
+            fp.append(p)
+            fk.append(k)
+            last = n
+    thinned = len(fc) > max_labels
+    if thinned:
+        pick = _thin(len(fc), max_labels)
+        fc, fn, fp, fk = [fc[i] for i in pick], [fn[i] for i in pick], [fp[i] for i in pick], [fk[i] for i in pick]
+    return fc, fn, ("py", fp, fk), thinned
+
+
+def _dp_stage_numpy(clocks, negs, useful: Sequence[tuple[int, GammaOption]], deadline: float,
+                    max_labels: int) -> tuple:
+    """:func:`_dp_stage_python` vectorised: the same labels."""
+    c = np.asarray(clocks, dtype=np.float64)
+    n = np.asarray(negs, dtype=np.float64)
+    width = len(useful) + 1
+    seconds = np.array([0.0] + [o.seconds for _, o in useful])
+    gains = np.array([0.0] + [o.utility for _, o in useful])
+    cc = np.add.outer(c, seconds)  # flat index = parent * width + column: the order candidates are made in
+    cc[:, 0] = c  # skip: the label itself (c + 0.0 would turn -0.0 into 0.0)
+    nn = np.subtract.outer(n, gains)
+    nn[:, 0] = n
+    fits = cc < deadline
+    fits[:, 0] = True
+    flat = np.flatnonzero(fits)
+    cc = cc.ravel()[flat]
+    nn = nn.ravel()[flat]
+    order = np.lexsort((nn, cc))  # stable: (clock, -utility), then the order made (equal clocks are common)
+    sn = nn[order]
+    low = np.minimum.accumulate(sn)
+    better = np.flatnonzero(sn[1:] < low[:-1]) + 1  # utility above every label before it
+    kept = None
+    if len(better):
+        # Each such label is kept unless within 1e-9 of the last kept one, which (all earlier
+        # such labels kept) is the best before it: if none is that close, exactly these are kept.
+        gap_to = low[better - 1]
+        here = sn[better]
+        if ((gap_to - here) <= 1e-9 * np.maximum(1.0, np.maximum(np.abs(here), np.abs(gap_to)))).any():
+            kept = _dp_keep_near_ties(sn, low)
+    if kept is None:
+        kept = np.concatenate(([0], better))
+    thinned = len(kept) > max_labels
+    if thinned:
+        kept = kept[_thin(len(kept), max_labels)]
+    chosen = order[kept]
+    return cc[chosen], nn[chosen], ("np", flat[chosen], width, [-1] + [k for k, _ in useful]), thinned
 
 
 # --------------------------------------------------------------------------- Alg. 3
@@ -492,7 +612,7 @@ class _QueuedBatch:
     options are of one pricer; a policy that reprices (a new ``_Pricer``) gets them afresh."""
 
     __slots__ = ("key", "requests", "opened", "first_utility", "_deadline", "_sums", "_summed", "_options", "_by",
-                 "queued", "_edd_entry", "_moment_entry")
+                 "_useful", "queued", "_edd_entry", "_moment_entry")
 
     def __init__(self, key: int, first: Request, now: float) -> None:
         self.key = key
@@ -507,6 +627,7 @@ class _QueuedBatch:
         self._summed = 0
         self._options: list[GammaOption] | None = None  # of requests[:_summed]
         self._by: "_Pricer | None" = None  # the pricer the sums and options are of
+        self._useful: tuple[list[GammaOption], list[tuple[int, GammaOption]]] | None = None  # (options, undominated)
 
     def add(self, request: Request) -> None:
         self.requests.append(request)
@@ -540,6 +661,13 @@ class _QueuedBatch:
         if self._options is None:
             self._options = pricer.options(self.requests, sums)
         return self._options
+
+    def undominated(self, pricer: "_Pricer") -> list[tuple[int, GammaOption]]:
+        """``_undominated(self.options(pricer))``, kept while the options are."""
+        options = self.options(pricer)
+        if self._useful is None or self._useful[0] is not options:
+            self._useful = (options, _undominated(options))
+        return self._useful[1]
 
     def sort_key(self) -> tuple[float, float, int]:
         return (self.deadline, self.opened, self.key)
@@ -1046,7 +1174,8 @@ class OTASPolicy(SelectiveBatchingPolicy):
             return [(qb, g, "load") for qb, g in zip(head, chosen)]
         options = [qb.options(pricer) for qb in ordered]
         deadlines = [qb.deadline for qb in ordered]
-        solution = solve_token_dp(deadlines, options, clock, self.params.max_labels)
+        solution = solve_token_dp(deadlines, options, clock, self.params.max_labels,
+                                  undominated=[qb.undominated(pricer) for qb in ordered])
         self.last_solution = solution
         self.counters["dp_runs"] += 1
         self.counters["dp_truncated"] += int(solution.truncated)

@@ -744,3 +744,73 @@ def test_pricer_utility_sums_equal_a_plain_sum_per_gamma_to_the_bit():
     assert [x.hex() for x in pricer.utilities(rs, 17, head)] == [x.hex() for x in plain]
     with pytest.raises(KeyError, match="'dogs' at gamma -10"):
         pricer.utilities([rs[0], req(99, 0.0, task="dogs")])
+
+
+def _reference_token_dp(deadlines, options, start, max_labels=128):
+    """Alg. 2 as first written (one plain loop over label tuples): what solve_token_dp must equal."""
+    from jaxserve.sched.otas import DPSolution, _same_utility, _undominated
+
+    stages = [[(0.0, start, -1, -1)]]
+    truncated, widest = False, 1
+    for deadline, opts in zip(deadlines, options):
+        useful = _undominated(opts)
+        candidates = []
+        for parent, (u, c, _, _) in enumerate(stages[-1]):
+            candidates.append((u, c, parent, -1))
+            for k, o in useful:
+                finish = c + o.seconds
+                if finish < deadline:
+                    candidates.append((u + o.utility, finish, parent, k))
+        candidates.sort(key=lambda lab: (lab[1], -lab[0]))
+        frontier = []
+        for lab in candidates:
+            if not frontier or (lab[0] > frontier[-1][0] and not _same_utility(lab[0], frontier[-1][0])):
+                frontier.append(lab)
+        if len(frontier) > max_labels:
+            truncated = True
+            step = (len(frontier) - 1) / (max_labels - 1)
+            frontier = [frontier[round(i * step)] for i in range(max_labels)]
+        widest = max(widest, len(frontier))
+        stages.append(frontier)
+    best = len(stages[-1]) - 1
+    gammas, index = [], best
+    for b in range(len(deadlines), 0, -1):
+        _, _, parent, k = stages[b][index]
+        gammas.append(None if k < 0 else options[b - 1][k].gamma)
+        index = parent
+    return DPSolution(tuple(reversed(gammas)), stages[-1][best][0], stages[-1][best][1], widest, truncated)
+
+
+def test_dp_equals_its_plain_transcription_to_the_bit(monkeypatch):
+    """solve_token_dp (numpy for large stages, lists for small ones) returns exactly what the plain
+    loop returns: the same gammas, utility and finish to the last bit, frontier width and truncation,
+    on random queues built to hit the hard cases: equal clocks (dyadic seconds), utilities equal
+    up to rounding (sums of 0.1, 0.2, 0.3 in different orders), and thinned frontiers."""
+    import jaxserve.sched.otas as otas_module
+
+    used = {"numpy": 0, "near": 0, "python": 0}
+    for name, key in (("_dp_stage_numpy", "numpy"), ("_dp_keep_near_ties", "near"), ("_dp_stage_python", "python")):
+        real = getattr(otas_module, name)
+        monkeypatch.setattr(otas_module, name, lambda *a, _real=real, _key=key: used.__setitem__(_key, used[_key] + 1)
+                            or _real(*a))
+    rng = random.Random(11)
+    for trial in range(60):
+        n = rng.randint(1, 40)
+        dyadic = trial % 2 == 0
+        options, deadlines, clock = [], [], 0.0
+        for _ in range(n):
+            opts = []
+            for g in rng.sample(range(-4, 9), rng.randint(1, 6)):
+                seconds = rng.choice([0.125, 0.25, 0.375, 0.5]) if dyadic else rng.uniform(0.01, 0.3)
+                utility = rng.choice([0.1, 0.2, 0.3, 0.7]) * rng.choice([1, 1, 2, 3]) if trial % 3 else rng.uniform(0, 2)
+                opts.append(GammaOption(g, seconds, utility))
+            clock += rng.uniform(0.05, 0.3)
+            options.append(opts)
+            deadlines.append(rng.choice([clock, clock * 2, math.inf]))
+        for max_labels in (2, 7, 64, 128):
+            got = solve_token_dp(deadlines, options, 0.0, max_labels)
+            want = _reference_token_dp(deadlines, options, 0.0, max_labels)
+            assert got.gammas == want.gammas
+            assert got.utility.hex() == want.utility.hex() and got.finish.hex() == want.finish.hex()
+            assert (got.max_frontier, got.truncated) == (want.max_frontier, want.truncated)
+    assert min(used.values()) > 0, used  # every path ran
