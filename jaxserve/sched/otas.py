@@ -14,8 +14,8 @@ the gamma (or, for INFaaS, the model variant) of each batch:
 * :class:`INFaaSPolicy` — model switching among variants (e.g. ViT-S/B/L), paying a
   switching cost each time it changes variant.
 
-Everything is plain Python: the clock is the ``now`` argument, costs come from the
-profiles (:class:`~jaxserve.sched.base.LatencyProfile`,
+Everything is plain Python (numpy for the DP's large stages): the clock is the ``now``
+argument, costs come from the profiles (:class:`~jaxserve.sched.base.LatencyProfile`,
 :class:`~jaxserve.sched.base.AccuracyProfile`), decisions come back as a
 :class:`~jaxserve.sched.base.Plan`.
 
@@ -119,10 +119,14 @@ server keeps (oldest dropped).
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
+from bisect import bisect_left, insort
+from collections import Counter, OrderedDict, deque
+from heapq import heapify, heappop, heappush
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Iterable, Mapping, Optional, Sequence
+
+import numpy as np
 
 from jaxserve.sched.base import (
     AccuracyProfile,
@@ -263,6 +267,8 @@ def solve_token_dp(
     options: Sequence[Sequence[GammaOption]],
     start: float,
     max_labels: int = 128,
+    *,
+    undominated: Sequence[Sequence[tuple[int, GammaOption]]] | None = None,
 ) -> DPSolution:
     """Alg. 2: the gamma of each batch (or None, l_b = 0) maximising total utility.
 
@@ -270,46 +276,162 @@ def solve_token_dp(
     already in EDD order (Alg. 2 line 1) and executed one after another from ``start``;
     an executed batch must finish strictly before its deadline. Among equal utility the
     earlier finishing clock wins. See the module docstring for the fixes to the paper.
+    ``undominated``: ``_undominated(options[b])`` per batch, if the caller keeps them.
+
+    Per batch, every label of the previous frontier is extended by "skip" and by each
+    undominated option that meets the deadline; the candidates, ordered by (clock, higher
+    utility first, parent, option), keep a label iff its utility strictly exceeds the last
+    kept one's (and is not equal to it within 1e-9 relative); a frontier above ``max_labels``
+    is thinned evenly. A large stage runs in numpy (:func:`_dp_stage_numpy`), a small one in
+    Python (:func:`_dp_stage_python`): the same floating-point operations, hence the same
+    labels to the bit (tests/unit/test_otas_sched.py compares them with a plain transcription).
     """
     if len(deadlines) != len(options):
         raise ValueError("one option list per batch")
     if max_labels < 2:
         raise ValueError("max_labels must be at least 2")
-    # label: (utility, clock, parent index in previous stage, option index or -1 = skip)
-    stages: list[list[tuple[float, float, int, int]]] = [[(0.0, start, -1, -1)]]
+    if undominated is not None and len(undominated) != len(options):
+        raise ValueError("one undominated list per batch")
+    # The frontier, in candidate order (clocks ascending, utilities ascending): its clocks and
+    # its utilities negated (so that ascending (clock, -utility) is the candidate order); lists
+    # or arrays, whichever the last stage made. -(u + x) == -u - x exactly, so no value differs.
+    clocks: list[float] | np.ndarray = [start]
+    negs: list[float] | np.ndarray = [-0.0]
+    links: list[tuple] = []  # per batch, how each label of its frontier was made (see _dp_parent)
     truncated = False
     widest = 1
-    for deadline, opts in zip(deadlines, options):
-        useful = _undominated(opts)
-        candidates: list[tuple[float, float, int, int]] = []
-        for parent, (u, c, _, _) in enumerate(stages[-1]):
-            candidates.append((u, c, parent, -1))
-            for k, o in useful:
-                finish = c + o.seconds
-                if finish < deadline:
-                    candidates.append((u + o.utility, finish, parent, k))
-        # Pareto frontier: by clock, keep a label only if it strictly improves utility.
-        candidates.sort(key=lambda lab: (lab[1], -lab[0]))
-        frontier: list[tuple[float, float, int, int]] = []
-        for lab in candidates:
-            if not frontier or (lab[0] > frontier[-1][0] and not _same_utility(lab[0], frontier[-1][0])):
-                frontier.append(lab)
-        if len(frontier) > max_labels:
-            truncated = True
-            step = (len(frontier) - 1) / (max_labels - 1)
-            frontier = [frontier[round(i * step)] for i in range(max_labels)]
-        widest = max(widest, len(frontier))
-        stages.append(frontier)
-    best = len(stages[-1]) - 1  # the frontier's last label: max utility, earliest among ties
-    utility, finish = stages[-1][best][0], stages[-1][best][1]
+    for b, deadline in enumerate(deadlines):
+        useful = _undominated(options[b]) if undominated is None else undominated[b]
+        if len(clocks) * (len(useful) + 1) >= _DP_NUMPY_FROM:
+            stage = _dp_stage_numpy(clocks, negs, useful, deadline, max_labels)
+        else:
+            if isinstance(clocks, np.ndarray):
+                clocks, negs = clocks.tolist(), negs.tolist()
+            stage = _dp_stage_python(clocks, negs, useful, deadline, max_labels)
+        clocks, negs, link, thinned = stage
+        truncated = truncated or thinned
+        widest = max(widest, len(clocks))
+        links.append(link)
+    best = len(clocks) - 1  # the frontier's last label: max utility, earliest among ties
+    utility, finish = -float(negs[best]), float(clocks[best])
     gammas: list[Optional[int]] = []
     index = best
-    for b in range(len(deadlines), 0, -1):
-        _, _, parent, k = stages[b][index]
-        gammas.append(None if k < 0 else options[b - 1][k].gamma)
-        index = parent
+    for b in range(len(deadlines) - 1, -1, -1):
+        index, k = _dp_parent(links[b], index)
+        gammas.append(None if k < 0 else options[b][k].gamma)
     gammas.reverse()
     return DPSolution(tuple(gammas), utility, finish, widest, truncated)
+
+
+_DP_NUMPY_FROM = 160  # candidate labels from which a DP stage runs in numpy (the same labels, faster)
+_THIN: dict[tuple[int, int], list[int]] = {}
+
+
+def _thin(n: int, max_labels: int) -> list[int]:
+    """The positions an evenly thinned frontier of ``n`` labels keeps (the extremes included)."""
+    pick = _THIN.get((n, max_labels))
+    if pick is None:
+        step = (n - 1) / (max_labels - 1)
+        pick = _THIN[(n, max_labels)] = [round(i * step) for i in range(max_labels)]
+        if len(_THIN) > 4096:
+            _THIN.clear()
+    return pick
+
+
+def _dp_keep_near_ties(sn: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """The sequential rule of :func:`_dp_stage_python` on sorted negated utilities ``sn``
+    (``low``: their running minimum), visiting only the labels it may keep: a label that
+    was not kept lies at most 1e-9 relative below the last kept one, so the last kept one
+    is within 2e-9 (relative) of the running minimum, and a label above that never passes."""
+    lows = low[:-1]
+    maybe = np.flatnonzero(sn[1:] < lows + 2e-9 * np.maximum(1.0, np.abs(lows))) + 1
+    kept = [0]
+    last = float(sn[0])
+    for i, n in zip(maybe.tolist(), sn[maybe].tolist()):
+        if n < last and last - n > 1e-9 * max(1.0, abs(n), abs(last)):
+            kept.append(i)
+            last = n
+    return np.array(kept, dtype=np.intp)
+
+
+def _dp_parent(link: tuple, index: int) -> tuple[int, int]:
+    """(index of the parent label, option index or -1 = skip) of label ``index`` of a stage."""
+    if link[0] == "py":
+        return link[1][index], link[2][index]
+    _, flat, width, columns = link  # candidate flat = parent * width + column (0: skip)
+    parent, column = divmod(int(flat[index]), width)
+    return parent, columns[column]
+
+
+def _dp_stage_python(clocks: list[float], negs: list[float], useful: Sequence[tuple[int, GammaOption]],
+                     deadline: float, max_labels: int) -> tuple:
+    """One DP stage over plain lists: (clocks, negated utilities, link, thinned)."""
+    n_labels = len(clocks)
+    candidates = list(zip(clocks, negs, range(n_labels), [-1] * n_labels))
+    for k, o in useful:
+        seconds, gain = o.seconds, o.utility
+        for p in range(n_labels):
+            finish = clocks[p] + seconds
+            if not finish < deadline:  # clocks ascend, so do the finishes: no later label fits
+                break
+            candidates.append((finish, negs[p] - gain, p, k))
+    candidates.sort()  # (clock, -utility, parent, option): ties in the order they were made
+    fc: list[float] = []
+    fn: list[float] = []
+    fp: list[int] = []
+    fk: list[int] = []
+    last = math.inf
+    for c, n, p, k in candidates:
+        # keep a strictly better utility, unless equal to the last kept within 1e-9 (_same_utility)
+        if n < last and (not fn or last - n > 1e-9 * max(1.0, abs(n), abs(last))):
+            fc.append(c)
+            fn.append(n)
+            fp.append(p)
+            fk.append(k)
+            last = n
+    thinned = len(fc) > max_labels
+    if thinned:
+        pick = _thin(len(fc), max_labels)
+        fc, fn, fp, fk = [fc[i] for i in pick], [fn[i] for i in pick], [fp[i] for i in pick], [fk[i] for i in pick]
+    return fc, fn, ("py", fp, fk), thinned
+
+
+def _dp_stage_numpy(clocks, negs, useful: Sequence[tuple[int, GammaOption]], deadline: float,
+                    max_labels: int) -> tuple:
+    """:func:`_dp_stage_python` vectorised: the same labels."""
+    c = np.asarray(clocks, dtype=np.float64)
+    n = np.asarray(negs, dtype=np.float64)
+    width = len(useful) + 1
+    seconds = np.array([0.0] + [o.seconds for _, o in useful])
+    gains = np.array([0.0] + [o.utility for _, o in useful])
+    cc = np.add.outer(c, seconds)  # flat index = parent * width + column: the order candidates are made in
+    cc[:, 0] = c  # skip: the label itself (c + 0.0 would turn -0.0 into 0.0)
+    nn = np.subtract.outer(n, gains)
+    nn[:, 0] = n
+    fits = cc < deadline
+    fits[:, 0] = True
+    flat = np.flatnonzero(fits)
+    cc = cc.ravel()[flat]
+    nn = nn.ravel()[flat]
+    order = np.lexsort((nn, cc))  # stable: (clock, -utility), then the order made (equal clocks are common)
+    sn = nn[order]
+    low = np.minimum.accumulate(sn)
+    better = np.flatnonzero(sn[1:] < low[:-1]) + 1  # utility above every label before it
+    kept = None
+    if len(better):
+        # Each such label is kept unless within 1e-9 of the last kept one, which (all earlier
+        # such labels kept) is the best before it: if none is that close, exactly these are kept.
+        gap_to = low[better - 1]
+        here = sn[better]
+        if ((gap_to - here) <= 1e-9 * np.maximum(1.0, np.maximum(np.abs(here), np.abs(gap_to)))).any():
+            kept = _dp_keep_near_ties(sn, low)
+    if kept is None:
+        kept = np.concatenate(([0], better))
+    thinned = len(kept) > max_labels
+    if thinned:
+        kept = kept[_thin(len(kept), max_labels)]
+    chosen = order[kept]
+    return cc[chosen], nn[chosen], ("np", flat[chosen], width, [-1] + [k for k, _ in useful]), thinned
 
 
 # --------------------------------------------------------------------------- Alg. 3
@@ -416,6 +538,8 @@ class _Pricer:
         self.model, self.latency, self.accuracy, self.grid, self.gammas = model, latency, accuracy, grid, gammas
         self._seconds: dict[tuple[int, int], float] = {}
         self._fastest: dict[int, float] = {}
+        self._slowest_fastest: float | None = None
+        self._rows: dict[str, tuple[float, ...]] = {}  # task -> accuracy per gamma
         for g in gammas:  # fail at construction, not mid-run, if a column is missing
             self.seconds(grid.max_batch, g)
 
@@ -439,21 +563,39 @@ class _Pricer:
             t = self._fastest[count] = min(self.seconds(count, g) for g in self.gammas)
         return t
 
+    def slowest_fastest(self) -> float:
+        """The largest :meth:`fastest_seconds` over the batch sizes the grid runs."""
+        if self._slowest_fastest is None:
+            self._slowest_fastest = max(self.fastest_seconds(n) for n in range(1, self.grid.max_batch + 1))
+        return self._slowest_fastest
+
     def utilities(self, requests: Sequence[Request], start: int = 0,
                   partial: Sequence[float] | None = None) -> list[float]:
         """Per gamma (in :attr:`gammas` order), the sum over ``requests`` of accuracy x
         utility, summed in request order; ``partial``: the sums over ``requests[:start]``,
         continued from there (the same floating-point sequence as summing all of them)."""
-        out = []
-        for k, g in enumerate(self.gammas):
-            u = 0.0 if partial is None else partial[k]
-            for r in requests[start:]:
-                try:
-                    u += self.accuracy.of(r.task, g) * r.utility
-                except KeyError:
-                    raise KeyError(f"no accuracy profiled for task {r.task!r} at gamma {g} ({self.model})") from None
-            out.append(u)
-        return out
+        rows = self._rows
+        sums = [0.0] * len(self.gammas) if partial is None else list(partial)
+        for r in requests[start:]:
+            row = rows.get(r.task)
+            if row is None:
+                row = self._row(r.task, requests[start:])
+            u = r.utility
+            sums = [s + a * u for s, a in zip(sums, row)]  # per gamma: the same additions, in request order
+        return sums
+
+    def _row(self, task: str, requests: Sequence[Request]) -> tuple[float, ...]:
+        """The accuracy of ``task`` per gamma (cached); a KeyError names the first hole, gamma by
+        gamma, among ``requests``' tasks."""
+        try:
+            row = self._rows[task] = tuple(self.accuracy.of(task, g) for g in self.gammas)
+        except KeyError:
+            for g in self.gammas:
+                for r in requests:
+                    if (r.task, g) not in self.accuracy.accuracy:
+                        raise KeyError(f"no accuracy profiled for task {r.task!r} at gamma {g} ({self.model})") from None
+            raise
+        return row
 
     def options(self, requests: Sequence[Request], utilities: Sequence[float] | None = None) -> list[GammaOption]:
         """The batch's gamma options; ``utilities``: :meth:`utilities` of ``requests``, if known."""
@@ -469,7 +611,8 @@ class _QueuedBatch:
     recomputing them over every request made OTAS the slowest policy to simulate. Sums and
     options are of one pricer; a policy that reprices (a new ``_Pricer``) gets them afresh."""
 
-    __slots__ = ("key", "requests", "opened", "first_utility", "_deadline", "_sums", "_summed", "_options", "_by")
+    __slots__ = ("key", "requests", "opened", "first_utility", "_deadline", "_sums", "_summed", "_options", "_by",
+                 "_useful", "queued", "_edd_entry", "_moment_entry")
 
     def __init__(self, key: int, first: Request, now: float) -> None:
         self.key = key
@@ -477,10 +620,14 @@ class _QueuedBatch:
         self.opened = now  # s_b, as seen by the policy
         self.first_utility = first.utility
         self._deadline = first.deadline
+        self.queued = False  # in a _BatchQueue (which keeps the two entries below)
+        self._edd_entry: tuple | None = None
+        self._moment_entry: tuple | None = None
         self._sums: list[float] | None = None  # utility sums over requests[:_summed]
         self._summed = 0
         self._options: list[GammaOption] | None = None  # of requests[:_summed]
         self._by: "_Pricer | None" = None  # the pricer the sums and options are of
+        self._useful: tuple[list[GammaOption], list[tuple[int, GammaOption]]] | None = None  # (options, undominated)
 
     def add(self, request: Request) -> None:
         self.requests.append(request)
@@ -515,8 +662,177 @@ class _QueuedBatch:
             self._options = pricer.options(self.requests, sums)
         return self._options
 
+    def undominated(self, pricer: "_Pricer") -> list[tuple[int, GammaOption]]:
+        """``_undominated(self.options(pricer))``, kept while the options are."""
+        options = self.options(pricer)
+        if self._useful is None or self._useful[0] is not options:
+            self._useful = (options, _undominated(options))
+        return self._useful[1]
+
     def sort_key(self) -> tuple[float, float, int]:
         return (self.deadline, self.opened, self.key)
+
+
+class _BatchQueue:
+    """The queued batches of a :class:`SelectiveBatchingPolicy`, indexed for what every event asks.
+
+    A plan used to scan every queued batch several times per event (admission, eviction, EDD
+    order, the wake-up), which made OTAS at 100+ instances (a queue of ~130 batches) the
+    slowest policy to simulate. Kept current on every change, through :meth:`open`,
+    :meth:`join`, :meth:`keep` and :meth:`remove` only:
+
+    * iteration and ``batches``: creation order (Alg. 1's "first batch found");
+    * :meth:`edd`: the batches sorted by :meth:`_QueuedBatch.sort_key`;
+    * :meth:`moments`: per batch ``(deadline - pricer.fastest_seconds(size), key, batch)``,
+      ascending: from that moment on its earliest-deadline request is hopeless (eviction and
+      the wake-up); rebuilt when asked with another pricer (a reprice, a variant switch);
+    * :meth:`first_fit`: Alg. 1's admission, looking only at batches still young enough to
+      accept joins, grouped by their opener's utility;
+    * ``depth``: the number of queued requests.
+
+    The answers equal brute force over the batches in creation order, to the bit
+    (tests/unit/test_otas_sched.py checks them after random operation sequences).
+    """
+
+    def __init__(self) -> None:
+        self.batches: dict[int, _QueuedBatch] = {}  # key -> batch, creation order
+        self.depth = 0
+        self._edd: list[tuple[float, float, int, _QueuedBatch]] = []
+        self._moments: list[tuple[float, int, _QueuedBatch]] = []
+        self._pricer: _Pricer | None = None  # the pricer _moments are of (None: not built)
+        # first_fit: per opener utility, the batches opened less than ``batching.delta`` before ``_seen``
+        # (creation order, hence opening order; some may have left the queue since)
+        self._young: dict[float, deque[_QueuedBatch]] | None = {}  # None: the clock went back, scan all
+        self._batching: BatchingParams | None = None  # the parameters _young and _similar are for
+        self._similar: dict[tuple[float, float], bool] = {}  # (utility, opener's utility) -> ratio >= mu
+        self._seen = -math.inf  # the latest ``now`` first_fit was asked at
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches.values())
+
+    def open(self, qb: _QueuedBatch) -> None:
+        """Queue a new batch (its key larger than every queued one)."""
+        self.batches[qb.key] = qb
+        qb.queued = True
+        self.depth += len(qb.requests)
+        self._index(qb)
+        if self._young is not None:
+            group = self._young.get(qb.first_utility)
+            if group is None:
+                self._young[qb.first_utility] = group = deque()
+            group.append(qb)
+
+    def join(self, qb: _QueuedBatch, request: Request) -> None:
+        qb.add(request)
+        self.depth += 1
+        self._unindex(qb)
+        self._index(qb)
+
+    def keep(self, qb: _QueuedBatch, requests: list[Request]) -> None:
+        """:meth:`_QueuedBatch.keep`; a batch left empty leaves the queue."""
+        self.depth += len(requests) - len(qb.requests)
+        qb.keep(requests)
+        self._unindex(qb)
+        if requests:
+            self._index(qb)
+        else:
+            del self.batches[qb.key]
+            qb.queued = False
+
+    def remove(self, qb: _QueuedBatch) -> None:
+        del self.batches[qb.key]
+        qb.queued = False
+        self.depth -= len(qb.requests)
+        self._unindex(qb)
+
+    def edd(self) -> list[_QueuedBatch]:
+        """The batches in EDD order (deadline, then opening time, then creation)."""
+        return [e[3] for e in self._edd]
+
+    def moments(self, pricer: "_Pricer") -> list[tuple[float, int, _QueuedBatch]]:
+        """``(deadline - pricer.fastest_seconds(size), key, batch)`` per batch, ascending (do not modify)."""
+        if pricer is not self._pricer:
+            self._pricer = pricer
+            for qb in self.batches.values():
+                qb._moment_entry = (qb.deadline - pricer.fastest_seconds(len(qb.requests)), qb.key, qb)
+            self._moments = sorted(qb._moment_entry for qb in self.batches.values())
+        return self._moments
+
+    def first_fit(self, request: Request, now: float, batching: BatchingParams, cap: int) -> Optional[_QueuedBatch]:
+        """Alg. 1: the first batch in creation order that ``request`` may join at ``now``, or None."""
+        delta = batching.delta
+        deadline, utility, eta, mu = request.deadline, request.utility, batching.eta, batching.mu
+        if now < self._seen:  # the clock went back (never in the engine or the simulator): young no longer
+            self._young = None  # means "opened last", so scan every batch from now on
+        if self._young is None:
+            for qb in self.batches.values():
+                if (now - qb.opened < delta and len(qb.requests) < cap and _deadline_gap(deadline, qb.deadline) <= eta
+                        and _utility_ratio(utility, qb.first_utility) >= mu):
+                    return qb
+            return None
+        if batching is not self._batching:
+            if self._batching is None or batching != self._batching:  # every queued batch may be young again
+                self._young = {}
+                for qb in self.batches.values():
+                    self._young.setdefault(qb.first_utility, deque()).append(qb)
+                self._similar = {}
+            self._batching = batching
+        self._seen = now
+        similar = self._similar
+        if len(similar) > 4096:  # many distinct utilities
+            similar.clear()
+        best: Optional[_QueuedBatch] = None
+        gone = None
+        for first_utility, group in self._young.items():
+            # a batch too old to accept joins stays so (the clock only advances): forget it
+            while group and not (group[0].queued and now - group[0].opened < delta):
+                group.popleft()
+            if not group:
+                gone = [first_utility] if gone is None else gone + [first_utility]
+                continue
+            ok = similar.get((utility, first_utility))
+            if ok is None:
+                ok = similar[(utility, first_utility)] = _utility_ratio(utility, first_utility) >= mu
+            if not ok:
+                continue
+            for qb in group:  # all young: opened no earlier than the first
+                if best is not None and qb.key > best.key:
+                    break
+                if qb.queued and len(qb.requests) < cap and _deadline_gap(deadline, qb.deadline) <= eta:
+                    best = qb
+                    break
+        if gone is not None:
+            for first_utility in gone:
+                del self._young[first_utility]
+        return best
+
+    def _index(self, qb: _QueuedBatch) -> None:
+        qb._edd_entry = entry = (qb.deadline, qb.opened, qb.key, qb)
+        insort(self._edd, entry)
+        if self._pricer is not None:
+            qb._moment_entry = moment = (qb.deadline - self._pricer.fastest_seconds(len(qb.requests)), qb.key, qb)
+            insort(self._moments, moment)
+
+    def _unindex(self, qb: _QueuedBatch) -> None:
+        _drop(self._edd, qb._edd_entry)
+        if self._pricer is not None:
+            _drop(self._moments, qb._moment_entry)
+
+
+def _drop(entries: list, entry: tuple) -> None:
+    """Remove ``entry`` (the object itself) from the sorted list ``entries``."""
+    i = bisect_left(entries, entry)
+    if i < len(entries) and entries[i] is entry:
+        del entries[i]
+    else:  # unordered values (a nan deadline): find it the slow way
+        del entries[next(j for j, e in enumerate(entries) if e is entry)]
+
+
+def _creation(qb: _QueuedBatch) -> int:
+    return qb.key
 
 
 def _deadline_gap(a: float, b: float) -> float:
@@ -555,13 +871,15 @@ class SelectiveBatchingPolicy(Policy):
         self.batching = batching
         self.rate_window = rate_window
         self.start_time = start_time
-        self._queue: list[_QueuedBatch] = []
+        self._queue = _BatchQueue()
         self._next_key = 0
         self._arrivals: deque[float] = deque()
         self._inflight: dict[int, tuple[Request, float]] = {}  # id -> (request, accuracy)
         self._busy_until: dict[int, float] = {}  # instance -> estimated finish
-        self.outcomes: dict[int, OutcomeType] = {}
-        self.request_gamma: dict[int, int] = {}
+        self._finishes: list[tuple[float, int]] = []  # heap of (finish, instance), stale ones too: _free_at
+        # insertion-ordered like dicts, and the oldest record leaves in O(1) (_trim_records)
+        self.outcomes: dict[int, OutcomeType] = OrderedDict()
+        self.request_gamma: dict[int, int] = OrderedDict()
         self.decisions: list[BatchDecision] = []
         self.counters: Counter[str] = Counter()
         self.expected_utility = 0.0
@@ -589,14 +907,11 @@ class SelectiveBatchingPolicy(Policy):
         self._arrivals.append(now)
         self.counters["arrived"] += 1
         cap = min(self.batching.epsilon, self._max_batch())
-        for qb in self._queue:  # creation order: the first batch found
-            if (now - qb.opened < self.batching.delta
-                    and len(qb.requests) < cap
-                    and _deadline_gap(request.deadline, qb.deadline) <= self.batching.eta
-                    and _utility_ratio(request.utility, qb.first_utility) >= self.batching.mu):
-                qb.add(request)
-                return
-        self._queue.append(_QueuedBatch(self._next_key, request, now))
+        qb = self._queue.first_fit(request, now, self.batching, cap)  # creation order: the first batch found
+        if qb is not None:
+            self._queue.join(qb, request)
+            return
+        self._queue.open(_QueuedBatch(self._next_key, request, now))
         self._next_key += 1
         self.counters["batches_formed"] += 1
 
@@ -619,19 +934,19 @@ class SelectiveBatchingPolicy(Policy):
 
     def plan(self, now: float, idle_instances: Sequence[int]) -> Plan:
         self._start(now)
-        idle = list(idle_instances)
+        idle = idle_instances if isinstance(idle_instances, (list, tuple)) else list(idle_instances)
         free_at = self._free_at(now, bool(idle))
         evicted = self._evict_hopeless(free_at)
         batches: list[Batch] = []
         if idle and self._queue and now >= self._blocked_until():
-            ordered = sorted(self._queue, key=_QueuedBatch.sort_key)
-            schedule = self._schedule(now, ordered)
+            ordered = self._queue.edd()
+            schedule = self._schedule(now, ordered, len(idle))
             for (qb, gamma, source), instance in zip(schedule, idle):
                 batches.append(self._dispatch(qb, gamma, source, instance, now))
         return Plan(tuple(batches), tuple(evicted), self._wake_at(now))
 
     def queue_depth(self) -> int:
-        return sum(len(qb.requests) for qb in self._queue)
+        return self._queue.depth
 
     def withdraw(self, request_id: int, now: float) -> bool:
         """Take a queued request out of its batch (its client went away); a batch left
@@ -641,9 +956,7 @@ class SelectiveBatchingPolicy(Policy):
         for qb in self._queue:
             for i, r in enumerate(qb.requests):
                 if r.id == request_id:
-                    qb.keep(qb.requests[:i] + qb.requests[i + 1:])
-                    if not qb.requests:
-                        self._queue.remove(qb)
+                    self._queue.keep(qb, qb.requests[:i] + qb.requests[i + 1:])  # an empty batch leaves
                     self.counters["withdrawn"] += 1
                     return True
         return False
@@ -683,8 +996,11 @@ class SelectiveBatchingPolicy(Policy):
 
     # ------------------------------------------------------------------ hooks
 
-    def _schedule(self, clock: float, ordered: list[_QueuedBatch]) -> list[tuple[_QueuedBatch, int, str]]:
-        """Batches to run, in order, each with its gamma and the deciding rule."""
+    def _schedule(self, clock: float, ordered: list[_QueuedBatch],
+                  slots: int) -> list[tuple[_QueuedBatch, int, str]]:
+        """Batches to run, in order, each with its gamma and the deciding rule. ``ordered``: the
+        queue in EDD order; only the first ``slots`` (>= 1, the idle instances) entries run, so
+        a rule that decides each batch from the ones before it may stop there."""
         raise NotImplementedError
 
     def _max_batch(self) -> int:
@@ -701,15 +1017,28 @@ class SelectiveBatchingPolicy(Policy):
             self.start_time = now
 
     def _free_at(self, now: float, any_idle: bool) -> float:
-        t = now if any_idle or not self._busy_until else max(now, min(self._busy_until.values()))
+        if any_idle or not self._busy_until:
+            t = now
+        else:  # the earliest estimated finish: min(self._busy_until.values()), from the heap
+            finishes, busy = self._finishes, self._busy_until
+            while busy.get(finishes[0][1]) != finishes[0][0]:  # finished or re-dispatched since
+                heappop(finishes)
+            t = max(now, finishes[0][0])
         return max(t, self._blocked_until())
 
     def _evict_hopeless(self, free_at: float) -> list[int]:
         """Evict requests that miss their deadline even if their batch ran next, fastest."""
         evicted: list[int] = []
-        for qb in list(self._queue):
-            while qb.requests:
-                t = self._pricer.fastest_seconds(len(qb.requests))
+        pricer = self._pricer
+        moments = self._queue.moments(pricer)
+        # Only a batch whose moment (deadline - fastest time) is <= free_at can have free_at +
+        # fastest >= deadline; the margin (far above rounding) keeps every such batch, and each
+        # is checked exactly below, in creation order.
+        margin = 1e-9 * (1.0 + abs(free_at) + pricer.slowest_fastest())
+        due = bisect_left(moments, (free_at + margin, math.inf))
+        for qb in sorted((e[2] for e in moments[:due]), key=_creation):
+            while qb.queued:
+                t = pricer.fastest_seconds(len(qb.requests))
                 if free_at + t < qb.deadline:  # its earliest deadline: none is hopeless
                     break
                 hopeless = [r for r in qb.requests if free_at + t >= r.deadline]
@@ -718,9 +1047,7 @@ class SelectiveBatchingPolicy(Policy):
                 for r in hopeless:
                     self.outcomes[r.id] = OutcomeType.EVICTED
                     evicted.append(r.id)
-                qb.keep([r for r in qb.requests if free_at + t < r.deadline])
-            if not qb.requests:
-                self._queue.remove(qb)
+                self._queue.keep(qb, [r for r in qb.requests if free_at + t < r.deadline])  # empty: it leaves
         self.counters["evicted"] += len(evicted)
         if evicted:
             self._trim_records()
@@ -733,7 +1060,10 @@ class SelectiveBatchingPolicy(Policy):
             return
         for records in (self.outcomes, self.request_gamma):
             while len(records) > limit:
-                del records[next(iter(records))]
+                if isinstance(records, OrderedDict):
+                    records.popitem(last=False)
+                else:  # replaced by a plain dict: next(iter()) walks the dict's deleted prefix
+                    del records[next(iter(records))]
         if len(self.decisions) > 2 * limit:
             del self.decisions[: len(self.decisions) - limit]
 
@@ -752,6 +1082,10 @@ class SelectiveBatchingPolicy(Policy):
         ids = tuple(r.id for r in qb.requests)
         start = max(now, self._blocked_until())
         self._busy_until[instance] = start + seconds
+        heappush(self._finishes, (start + seconds, instance))
+        if len(self._finishes) > 2 * len(self._busy_until) + 64:  # mostly stale: rebuild
+            self._finishes = [(f, i) for i, f in self._busy_until.items()]
+            heapify(self._finishes)
         self.decisions.append(BatchDecision(now, ids, pricer.model, cell, instance, source, seconds, utility))
         self.counters["dispatched_batches"] += 1
         self.counters[f"source_{source}"] += 1
@@ -759,16 +1093,17 @@ class SelectiveBatchingPolicy(Policy):
         return Batch(ids, pricer.model, cell, instance)
 
     def _wake_at(self, now: float) -> float:
+        """The earliest moment after ``now`` at which a queued request becomes hopeless
+        (``deadline - fastest time of its batch``), or the end of a block (INFaaS's load)."""
         wake = math.inf
         blocked = self._blocked_until()
         if blocked > now and self._queue:
             wake = blocked
-        for qb in self._queue:
-            t = self._pricer.fastest_seconds(len(qb.requests))
-            first = qb.deadline - t  # subtraction is monotone: no request's moment comes earlier
-            if now < first:
-                wake = min(wake, first)
-                continue
+        pricer = self._pricer
+        for first, _, qb in self._queue.moments(pricer):  # ascending
+            if now < first:  # subtraction is monotone: no request of this batch or later ones comes earlier
+                return min(wake, first)
+            t = pricer.fastest_seconds(len(qb.requests))
             for r in qb.requests:
                 when = r.deadline - t  # from then on the request is hopeless
                 if now < when < wake:
@@ -825,18 +1160,22 @@ class OTASPolicy(SelectiveBatchingPolicy):
     def from_cost_model(cls, cost: CostModel, model: str, grid: ShapeGrid, **kwargs) -> "OTASPolicy":
         return cls(model, cost.latency[model], cost.accuracy[model], grid, **kwargs)
 
-    def _schedule(self, clock, ordered):
+    def _schedule(self, clock, ordered, slots):
         pricer = self._pricer
-        options = [qb.options(pricer) for qb in ordered]
-        deadlines = [qb.deadline for qb in ordered]
         in_initial = self.start_time is not None and clock - self.start_time < self.params.initial_stage
         if len(ordered) <= self.params.beta or in_initial:
             load_gamma = self.load_map(self.arrival_rate(clock))
-            means = [sum(r.utility for r in qb.requests) / len(qb.requests) for qb in ordered]
+            head = ordered[:slots]  # Alg. 3 decides each batch from the ones before it: the rest cannot run now
+            options = [qb.options(pricer) for qb in head]
+            deadlines = [qb.deadline for qb in head]
+            means = [sum(r.utility for r in qb.requests) / len(qb.requests) for qb in head]
             chosen = manual_allocate(deadlines, means, options, clock, load_gamma, self.params.kappa)
             self.counters["alg3_runs"] += 1
-            return [(qb, g, "load") for qb, g in zip(ordered, chosen)]
-        solution = solve_token_dp(deadlines, options, clock, self.params.max_labels)
+            return [(qb, g, "load") for qb, g in zip(head, chosen)]
+        options = [qb.options(pricer) for qb in ordered]
+        deadlines = [qb.deadline for qb in ordered]
+        solution = solve_token_dp(deadlines, options, clock, self.params.max_labels,
+                                  undominated=[qb.undominated(pricer) for qb in ordered])
         self.last_solution = solution
         self.counters["dp_runs"] += 1
         self.counters["dp_truncated"] += int(solution.truncated)
@@ -866,8 +1205,8 @@ class FixedGammaPolicy(SelectiveBatchingPolicy):
         super().__init__(_pricer_from(model, latency, accuracy, grid, (gamma,)), batching, rate_window, start_time)
         self.gamma = gamma
 
-    def _schedule(self, clock, ordered):
-        return [(qb, self.gamma, "fixed") for qb in ordered]
+    def _schedule(self, clock, ordered, slots):
+        return [(qb, self.gamma, "fixed") for qb in ordered[:slots]]
 
 
 class PetSPolicy(FixedGammaPolicy):
@@ -957,7 +1296,7 @@ class INFaaSPolicy(SelectiveBatchingPolicy):
     def _blocked_until(self) -> float:
         return self._loading_until
 
-    def _schedule(self, clock, ordered):
+    def _schedule(self, clock, ordered, slots):
         if clock - self._last_decision >= self.decision_interval:
             self._last_decision = clock
             target = self.select_variant(self.arrival_rate(clock))
@@ -967,7 +1306,7 @@ class INFaaSPolicy(SelectiveBatchingPolicy):
                 if self.switch_seconds > 0:
                     self._loading_until = clock + self.switch_seconds
                     return []
-        return [(qb, 0, "variant") for qb in ordered]
+        return [(qb, 0, "variant") for qb in ordered[:slots]]
 
 
 # --------------------------------------------------------------------------- serving glue

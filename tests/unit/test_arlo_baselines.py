@@ -340,3 +340,60 @@ def test_each_is_a_policy_and_only_dt_prices_its_own_batches(cls):
     assert policy.describe_request(0) == {}
     policy.on_completion(batch, 0.01, {0: StepSummary()})
     assert policy.queue_depth() == 0 and policy.counters.served == 1
+
+
+def _scan_plan(policy, now, idle):
+    """ArloPolicy.plan (one FIFO per instance) as first written: a look at every idle instance."""
+    policy._tick(now)
+    batches, wake = [], float("inf")
+    for inst in idle:
+        queue = policy._queues.get(inst)
+        if not queue:
+            continue
+        ready = policy._ready_at[inst]
+        if ready > now:
+            wake = min(wake, ready)
+            continue
+        rt = policy.dispatcher.level_of(inst)
+        taken = [queue.popleft() for _ in range(min(len(queue), policy.level_max_batch[rt]))]
+        batches.append((tuple(r.id for r in taken), inst, policy._cell_for(rt, taken)))
+    return batches, wake
+
+
+@pytest.mark.parametrize("make", [
+    lambda: InfaasLikePolicy("bert", GRID, COST, SLO, instances=7, interval=0.02, window=0.1, replacement_seconds=0.02),
+    lambda: StaticPaddingPolicy("bert", GRID, COST, SLO, instances=7, max_batch=4),
+])
+def test_per_instance_plan_serves_exactly_the_idle_instances_a_full_scan_serves(make):
+    """plan() finds the idle instances with queued requests through a set of the instances whose
+    FIFO was filled: the same batches, in the same order, and the same wake-up as looking at every
+    idle instance, with idle lists in any order (several served at once, instances still switching
+    runtime, queues emptied by reallocation) over a random run."""
+    import copy
+    import random
+
+    policy, rng = make(), random.Random(5)
+    lengths = [20] * 6 + [60, 100, 200, 250]  # the shortest runtime runs hot: instances move to it
+    running: dict[int, tuple[float, object]] = {}
+    now, rid, served, switching = 0.0, 0, 0, 0
+    for step in range(400):
+        now += rng.expovariate(1000.0)
+        for inst, (end, batch) in sorted(running.items()):
+            if end <= now and rng.random() < 0.8:
+                del running[inst]
+                policy.on_completion(batch, now)
+        for _ in range(rng.choice([0, 1, 2, 3, 8])):
+            policy.on_arrival(Request(rid, now, "bert", "", rng.choice(lengths), now + SLO), now)
+            rid += 1
+        idle = [i for i in range(7) if i not in running]
+        rng.shuffle(idle)
+        idle = rng.choice([idle, tuple(idle)])
+        want = _scan_plan(copy.deepcopy(policy), now, idle)
+        plan = policy.plan(now, idle)
+        assert ([(b.request_ids, b.instance, b.cell) for b in plan.batches], plan.wake_at) == want
+        for b in plan.batches:
+            running[b.instance] = (now + rng.uniform(0.001, 0.02), b)
+        served += len(plan.batches) > 1
+        switching += plan.wake_at < float("inf")
+    assert served > 0  # several instances served by one plan
+    assert switching > 0 or isinstance(policy, StaticPaddingPolicy)  # INFaaS moved instances, some still switching

@@ -568,3 +568,249 @@ def test_a_queued_batch_keeps_its_deadline_and_options_current_across_changes_an
     assert qb.options(p3) == p3.options(qb.requests)
     assert all(o.utility == pytest.approx(0.5 * sum(r.utility for r in qb.requests)) for o in qb.options(p3))
     assert p3.fastest_seconds(4) == min(p3.seconds(4, g) for g in GAMMAS)
+
+
+def _brute_first_fit(batches, r, now, batching, cap):
+    """Alg. 1 as a scan of every batch in creation order."""
+    from jaxserve.sched.otas import _deadline_gap, _utility_ratio
+
+    for qb in batches:
+        if (now - qb.opened < batching.delta and len(qb.requests) < cap
+                and _deadline_gap(r.deadline, qb.deadline) <= batching.eta
+                and _utility_ratio(r.utility, qb.first_utility) >= batching.mu):
+            return qb
+    return None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batch_queue_indexes_equal_brute_force_after_random_operations(seed):
+    """Every answer of the indexed queue (creation order, depth, EDD order, moments, Alg. 1's
+    first fit) equals a scan of all batches, after each of a random sequence of opens, joins,
+    keeps (evictions, withdrawals: possibly emptying a batch), removals (dispatches), reprices,
+    clock steps (one run also steps the clock back) and batching parameters."""
+    from jaxserve.sched.otas import _BatchQueue, _Pricer, _QueuedBatch
+
+    rng = random.Random(seed)
+    pricers = [_Pricer("vit", LAT, ACCP, GRID, GAMMAS),
+               _Pricer("vit", latency_profile(scale={g: 3 * s for g, s in SCALE.items()}), ACCP, GRID, GAMMAS)]
+    pricer = pricers[0]
+    q, shadow = _BatchQueue(), []  # shadow: the batches, creation order
+    batching = BatchingParams(delta=0.3, epsilon=4, eta=0.2, mu=0.8)
+    now, rid, key = 0.0, 0, 0
+
+    def request():
+        nonlocal rid
+        rid += 1
+        d = rng.choice([math.inf, now + rng.choice([0.1, 0.25, 0.5]), now + rng.uniform(0.05, 0.6)])
+        return req(rid, now, deadline=d, utility=rng.choice([0.0, 0.01, 0.2, 0.3, 0.35, 1.0]))
+
+    for step in range(1500):
+        op = rng.random()
+        if op < 0.35:  # an arrival, as on_arrival does it
+            r = request()
+            cap = rng.choice([2, 4])
+            qb = q.first_fit(r, now, batching, cap)
+            assert qb is _brute_first_fit(shadow, r, now, batching, cap)
+            if qb is None:
+                qb = _QueuedBatch(key, r, now)
+                key += 1
+                q.open(qb)
+                shadow.append(qb)
+            else:
+                q.join(qb, r)
+        elif op < 0.45 and shadow:
+            qb = rng.choice(shadow)
+            q.keep(qb, [r for r in qb.requests if rng.random() < 0.6])
+            if not qb.requests:
+                shadow.remove(qb)
+        elif op < 0.55 and shadow:
+            qb = rng.choice(shadow)
+            q.remove(qb)
+            shadow.remove(qb)
+        elif op < 0.6:
+            pricer = rng.choice(pricers)
+        elif op < 0.62:
+            batching = BatchingParams(delta=rng.choice([0.1, 0.3, 0.6]), epsilon=4, eta=rng.choice([0.05, 0.2]),
+                                      mu=rng.choice([0.5, 0.8]))
+        elif op < 0.625 and seed == 0 and step > 700:
+            now -= 0.2  # the clock goes back: admission falls back to scanning every batch
+        else:
+            now += rng.choice([0.0, 0.01, 0.05, 0.2])
+        assert list(q) == shadow and len(q) == len(shadow)
+        assert q.depth == sum(len(qb.requests) for qb in shadow)
+        assert q.edd() == sorted(shadow, key=lambda qb: qb.sort_key())
+        if rng.random() < 0.5:
+            expected = sorted((qb.deadline - pricer.fastest_seconds(len(qb.requests)), qb.key) for qb in shadow)
+            got = q.moments(pricer)
+            assert [(m, k) for m, k, _ in got] == expected
+            assert all(q.batches[k] is qb for _, k, qb in got)
+
+
+def _brute_evictions(policy, free_at):
+    """The hopeless requests as a scan of every batch (creation order) finds them, without acting."""
+    out = []
+    for qb in policy._queue:
+        requests = list(qb.requests)
+        while requests:
+            t = policy._pricer.fastest_seconds(len(requests))
+            if free_at + t < min(r.deadline for r in requests):
+                break
+            hopeless = [r for r in requests if free_at + t >= r.deadline]
+            if not hopeless:
+                break
+            out += [r.id for r in hopeless]
+            requests = [r for r in requests if free_at + t < r.deadline]
+    return out
+
+
+def _brute_wake(policy, now):
+    wake = math.inf
+    blocked = policy._blocked_until()
+    if blocked > now and len(policy._queue):
+        wake = blocked
+    for qb in policy._queue:
+        t = policy._pricer.fastest_seconds(len(qb.requests))
+        for r in qb.requests:
+            when = r.deadline - t
+            if now < when < wake:
+                wake = when
+    return wake
+
+
+@pytest.mark.parametrize("make", [lambda: otas(params=OTASParams(initial_stage=0.3)),
+                                  lambda: PetSPolicy("vit", LAT, ACCP, GRID),
+                                  lambda: INFaaSPolicy(variants(), switch_seconds=0.05, decision_interval=0.2)])
+def test_indexed_eviction_and_wake_up_equal_a_scan_of_every_request(make):
+    """Under overload on two instances, each plan evicts exactly the requests (and in the order)
+    a scan of every queued batch finds hopeless, and wakes exactly when the first remaining one
+    becomes hopeless (or a load ends)."""
+    p = make()
+    latency = {"vit": LAT, **{v.name: v.latency for v in variants()}}
+    rng = random.Random(7)
+    requests = bursty_requests(3, n=600)
+    busy: dict[int, tuple[float, object]] = {}
+    seen_evictions = 0
+    for r in requests:
+        now = r.arrival
+        for inst, (f, b) in sorted(busy.items(), key=lambda x: x[1][0]):
+            if f <= now:
+                del busy[inst]
+                p.on_completion(b, f)
+        p.on_arrival(r, now)
+        idle = [i for i in range(2) if i not in busy]
+        ends = list(p._busy_until.values())
+        free_at = now if idle or not ends else max(now, min(ends))
+        free_at = max(free_at, p._blocked_until())
+        expected = _brute_evictions(p, free_at)
+        plan = p.plan(now, idle)
+        assert list(plan.evict) == expected
+        seen_evictions += len(expected)
+        assert plan.wake_at == _brute_wake(p, now)
+        for b in plan.batches:
+            busy[b.instance] = (now + latency[b.model].latency(b.cell) * rng.choice([1.0, 2.5]), b)
+    assert seen_evictions > 0
+
+
+def test_records_beyond_the_limit_leave_oldest_first():
+    """record_limit keeps the newest outcomes and gammas, in the order they were recorded."""
+    p = PetSPolicy("vit", LAT, ACCP, GRID)
+    p.record_limit = 3
+    for i in range(10):
+        p.on_arrival(req(i, 0.1 * i, deadline=0.1 * i + (5.0 if i % 3 else 1e-6)), 0.1 * i)
+        plan = p.plan(0.1 * i, [0])
+        for b in plan.batches:
+            p.on_completion(b, 0.1 * i + 0.01)
+    assert list(p.outcomes) == [7, 8, 9] and list(p.request_gamma) == [5, 7, 8]  # 6 and 9: evicted
+    assert p.outcomes[9] == OutcomeType.EVICTED and p.outcomes[8] == OutcomeType.ACCURATE_ON_TIME
+
+
+def test_pricer_utility_sums_equal_a_plain_sum_per_gamma_to_the_bit():
+    """_Pricer.utilities sums accuracy x utility per gamma in request order: the same floats as a
+    plain loop (continued from partial sums too), and a task without a profile names the first hole."""
+    from jaxserve.sched.otas import _Pricer
+
+    pricer = _Pricer("vit", LAT, ACCP, GRID, GAMMAS)
+    rng = random.Random(3)
+    rs = [req(i, 0.0, utility=rng.choice([0.1, 0.2, 0.3, 0.01, 1 / 3]), task=rng.choice(["c10", "c100"]))
+          for i in range(40)]
+    plain = []
+    for g in pricer.gammas:
+        u = 0.0
+        for r in rs:
+            u += ACCP.of(r.task, g) * r.utility
+        plain.append(u)
+    assert [x.hex() for x in pricer.utilities(rs)] == [x.hex() for x in plain]
+    head = pricer.utilities(rs[:17])
+    assert [x.hex() for x in pricer.utilities(rs, 17, head)] == [x.hex() for x in plain]
+    with pytest.raises(KeyError, match="'dogs' at gamma -10"):
+        pricer.utilities([rs[0], req(99, 0.0, task="dogs")])
+
+
+def _reference_token_dp(deadlines, options, start, max_labels=128):
+    """Alg. 2 as first written (one plain loop over label tuples): what solve_token_dp must equal."""
+    from jaxserve.sched.otas import DPSolution, _same_utility, _undominated
+
+    stages = [[(0.0, start, -1, -1)]]
+    truncated, widest = False, 1
+    for deadline, opts in zip(deadlines, options):
+        useful = _undominated(opts)
+        candidates = []
+        for parent, (u, c, _, _) in enumerate(stages[-1]):
+            candidates.append((u, c, parent, -1))
+            for k, o in useful:
+                finish = c + o.seconds
+                if finish < deadline:
+                    candidates.append((u + o.utility, finish, parent, k))
+        candidates.sort(key=lambda lab: (lab[1], -lab[0]))
+        frontier = []
+        for lab in candidates:
+            if not frontier or (lab[0] > frontier[-1][0] and not _same_utility(lab[0], frontier[-1][0])):
+                frontier.append(lab)
+        if len(frontier) > max_labels:
+            truncated = True
+            step = (len(frontier) - 1) / (max_labels - 1)
+            frontier = [frontier[round(i * step)] for i in range(max_labels)]
+        widest = max(widest, len(frontier))
+        stages.append(frontier)
+    best = len(stages[-1]) - 1
+    gammas, index = [], best
+    for b in range(len(deadlines), 0, -1):
+        _, _, parent, k = stages[b][index]
+        gammas.append(None if k < 0 else options[b - 1][k].gamma)
+        index = parent
+    return DPSolution(tuple(reversed(gammas)), stages[-1][best][0], stages[-1][best][1], widest, truncated)
+
+
+def test_dp_equals_its_plain_transcription_to_the_bit(monkeypatch):
+    """solve_token_dp (numpy for large stages, lists for small ones) returns exactly what the plain
+    loop returns: the same gammas, utility and finish to the last bit, frontier width and truncation,
+    on random queues built to hit the hard cases: equal clocks (dyadic seconds), utilities equal
+    up to rounding (sums of 0.1, 0.2, 0.3 in different orders), and thinned frontiers."""
+    import jaxserve.sched.otas as otas_module
+
+    used = {"numpy": 0, "near": 0, "python": 0}
+    for name, key in (("_dp_stage_numpy", "numpy"), ("_dp_keep_near_ties", "near"), ("_dp_stage_python", "python")):
+        real = getattr(otas_module, name)
+        monkeypatch.setattr(otas_module, name, lambda *a, _real=real, _key=key: used.__setitem__(_key, used[_key] + 1)
+                            or _real(*a))
+    rng = random.Random(11)
+    for trial in range(60):
+        n = rng.randint(1, 40)
+        dyadic = trial % 2 == 0
+        options, deadlines, clock = [], [], 0.0
+        for _ in range(n):
+            opts = []
+            for g in rng.sample(range(-4, 9), rng.randint(1, 6)):
+                seconds = rng.choice([0.125, 0.25, 0.375, 0.5]) if dyadic else rng.uniform(0.01, 0.3)
+                utility = rng.choice([0.1, 0.2, 0.3, 0.7]) * rng.choice([1, 1, 2, 3]) if trial % 3 else rng.uniform(0, 2)
+                opts.append(GammaOption(g, seconds, utility))
+            clock += rng.uniform(0.05, 0.3)
+            options.append(opts)
+            deadlines.append(rng.choice([clock, clock * 2, math.inf]))
+        for max_labels in (2, 7, 64, 128):
+            got = solve_token_dp(deadlines, options, 0.0, max_labels)
+            want = _reference_token_dp(deadlines, options, 0.0, max_labels)
+            assert got.gammas == want.gammas
+            assert got.utility.hex() == want.utility.hex() and got.finish.hex() == want.finish.hex()
+            assert (got.max_frontier, got.truncated) == (want.max_frontier, want.truncated)
+    assert min(used.values()) > 0, used  # every path ran

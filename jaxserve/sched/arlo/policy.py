@@ -210,6 +210,7 @@ class ArloPolicy(Policy):
         self.redispatch_queued = bool(redispatch_queued)
         self.counters = ArloCounters()
         self._queues: dict[int, deque[Request]] = {}
+        self._filled: set[int] = set()  # every instance whose FIFO may hold requests (and some emptied since)
         self._ready_at: dict[int, float] = {}
         self._running: dict[int, int] = {}  # request id -> instance
         self._arrival: dict[int, float] = {}
@@ -307,12 +308,20 @@ class ArloPolicy(Policy):
         self._tick(now)
         if self.shared:
             return self._plan_groups(now, idle_instances)
+        if not isinstance(idle_instances, (list, tuple)):
+            idle_instances = list(idle_instances)
         batches = []
         wake = _INF
         queues = self._queues
-        for inst in idle_instances:
+        # The idle instances with queued requests, in the caller's order: a set intersection in C
+        # instead of a look at every idle instance (~500 of 1000, with at most one to serve).
+        filled = self._filled.intersection(idle_instances)
+        if len(filled) > 1:
+            filled = sorted(filled, key=list(idle_instances).index)
+        for inst in filled:
             queue = queues.get(inst)
             if not queue:
+                self._filled.discard(inst)
                 continue
             ready = self._ready_at[inst]
             if ready > now:
@@ -509,6 +518,7 @@ class ArloPolicy(Policy):
         if not self.shared:
             q = self._queues[inst]
             q.append(request)
+            self._filled.add(inst)
             return q
         level = self.dispatcher.level_of(inst)
         self._batcher(level).on_arrival(request, request.arrival)
