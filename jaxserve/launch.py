@@ -474,7 +474,24 @@ def start_workers_runtime(settings: ServeSettings) -> None:
     if settings.workers == "ray":
         from jaxserve.ray_workers import ensure_ray_for  # optional extra: jaxserve[ray]
 
-        ensure_ray_for(settings.instances, settings.ray_address, settings.worker_cpus)
+        ensure_ray_for(settings.instances, settings.ray_address, settings.worker_cpus,
+                       object_store_mb=object_store_mb_for(settings))
+
+
+def object_store_mb_for(settings: ServeSettings) -> int:
+    """The object store a local Ray starts with for ``settings``: the workers' default, or for
+    ``--policy quart`` enough for its parameter cache to hold the whole pipeline under the
+    KeysManager's high-water mark, twice over (replicas' leases and activations share it)."""
+    from jaxserve.keys_manager import DEFAULT_HIGH_WATER
+    from jaxserve.ray_workers import DEFAULT_OBJECT_STORE_MB
+
+    if settings.policy != "quart" or len(settings.models) != 1:
+        return DEFAULT_OBJECT_STORE_MB
+    try:
+        whole = max(quart_stage_megabytes(settings.models[0], []).values())
+    except (KeyError, ValueError, OSError):  # not a model QUART serves: with_quart says so later
+        return DEFAULT_OBJECT_STORE_MB
+    return max(DEFAULT_OBJECT_STORE_MB, int(2 * whole / DEFAULT_HIGH_WATER) + 1)
 
 
 def make_workers(settings: ServeSettings, runtimes: dict[str, ModelRuntime]):

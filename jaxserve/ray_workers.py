@@ -487,11 +487,13 @@ def ray_worker_factory(settings: Any, worker_cpus: float = 1, gpus: bool = False
     return factory
 
 
-def ensure_ray_for(n: int, address: str | None = None, worker_cpus: float = 1) -> None:
+def ensure_ray_for(n: int, address: str | None = None, worker_cpus: float = 1,
+                   object_store_mb: int = DEFAULT_OBJECT_STORE_MB) -> None:
     """:func:`ensure_ray` for ``n`` workers of ``worker_cpus`` each: a local Ray gets enough
-    logical CPUs for all of them (and twice that, for workers a plan adds later)."""
+    logical CPUs for all of them (and twice that, for workers a plan adds later), and an
+    object store of ``object_store_mb``."""
     ensure_ray(address, num_cpus=max(os.cpu_count() or 1, int(2 * n * worker_cpus + 0.999))
-               if address is None else None)
+               if address is None else None, object_store_mb=object_store_mb)
 
 
 def make_ray_workers(settings: Any, n: int, stages_for_worker: Callable[[int], Sequence[Stage]] | Sequence,
