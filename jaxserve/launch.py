@@ -97,7 +97,7 @@ class ServeSettings:
     asyfunc_period_s: float = 60.0
     asyfunc_body_cores: int | None = None
     asyfunc_node_cores: int | None = None
-    # QUART (--policy quart; jaxserve/sched/quart.py, jaxserve/quart_exec.py): the text model cut
+    # QUART (--policy quart; jaxserve/sched/quart.py, jaxserve/quart_exec.py): the model cut
     # into this many stages (balanced by the layer profile, else equal layers: quart_cut), one Ray
     # worker each at start (`instances` is the most workers the policy may run), the control
     # period, and the parameter cache (warm pool worker and the KeysManager) on or off
@@ -772,12 +772,12 @@ def quart_cut(settings: ServeSettings, name: str, num_layers: int) -> dict:
 
 
 def with_quart(settings: ServeSettings) -> ServeSettings:
-    """``settings`` for a live QUART pipeline: its one BERT-family text model cut into
-    ``quart_stages`` stages (:func:`quart_cut`: by the layer profile, else equal layers), kept
-    in ``extra["quart"]`` (``stages``, ``layer_costs``, ``cut``), so warmup compiles those
-    stages. Other policies' settings are returned as they are. ValueError with the reason: a
-    baseline (simulation only), not one BERT-family text model, not Ray workers (the parameter
-    cache is Ray's object store), fewer ``instances`` (worker slots) than stages."""
+    """``settings`` for a live QUART pipeline: its one model (a registry text or image model)
+    cut into ``quart_stages`` stages (:func:`quart_cut`: by the layer profile, else equal
+    layers), kept in ``extra["quart"]`` (``stages``, ``layer_costs``, ``cut``), so warmup
+    compiles those stages. Other policies' settings are returned as they are. ValueError with
+    the reason: a baseline (simulation only), not one such model, not Ray workers (the
+    parameter cache is Ray's object store), fewer ``instances`` (worker slots) than stages."""
     if settings.policy not in QUART_POLICIES:
         return settings
     if settings.policy != "quart":
