@@ -685,8 +685,6 @@ def simulate_cascade(policy: str, task: str, arrivals, *, seed: int = 0, instanc
     return at each level and the share of tokens pruned."""
     import json as _json
 
-    import numpy as np
-
     from jaxserve.sched.tabi import Replay
     from jaxserve.simulator import simulate
     from jaxserve.traces import make_trace

@@ -316,8 +316,9 @@ class ArloPolicy(Policy):
         # The idle instances with queued requests, in the caller's order: a set intersection in C
         # instead of a look at every idle instance (~500 of 1000, with at most one to serve).
         filled = self._filled.intersection(idle_instances)
-        if len(filled) > 1:
-            filled = sorted(filled, key=list(idle_instances).index)
+        if len(filled) > 1:  # back into the caller's order (first position of each id)
+            position = {w: i for i, w in reversed(list(enumerate(idle_instances)))}
+            filled = sorted(filled, key=position.__getitem__)
         for inst in filled:
             queue = queues.get(inst)
             if not queue:
