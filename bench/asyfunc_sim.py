@@ -1,8 +1,8 @@
 """AsyFunc (issue 21) in simulation: sensitivity against memory per layer, and AsyFunc, AsyFunc⁻
 and BATCH on a simulated 30-node cluster under a bursty tweet-like trace.
 
-**Profiles.** ``jaxserve.layer_profile`` at 1 and 2 cores for MiniLM-L6, MPNet-base and the
-demo ViT (``--profile`` re-measures them, ~5 CPU-minutes; otherwise the files written by the
+**Profiles.** ``jaxserve.layer_profile`` at 1 and 2 cores for MiniLM-L6, MPNet-base, the demo
+ViT and DINOv2 ViT-S/14 (real weights, 257 tokens) (``--profile`` re-measures them; otherwise the files written by the
 last ``--profile``, ``bench/profiles/asyfunc-cost.json`` and its ``.layers.json``, are read).
 
 **Sensitivity against memory.** Per unit (embeddings, each layer's attention and MLP,
@@ -58,7 +58,7 @@ from jaxserve.traces import make_trace
 
 BENCH = Path(__file__).resolve().parent
 COST = BENCH / "profiles" / "asyfunc-cost.json"
-MODELS = ("minilm-l6", "mpnet-base", "vit-demo")
+MODELS = ("minilm-l6", "mpnet-base", "vit-demo", "dinov2-s14")
 VARIANTS = ("asyfunc-batch", "asyfunc-nolls", "asyfunc")
 LABELS = {"asyfunc-batch": "BATCH", "asyfunc-nolls": "AsyFunc⁻", "asyfunc": "AsyFunc"}
 PAPER = ("paper (6 CNNs, Twitter trace): AsyFunc vs BATCH CPU -9.6% to -31.1% (mean -19.0%), memory -13.3% to "

@@ -270,6 +270,41 @@ def test_the_extractor_groups_similar_layers_and_keeps_the_embeddings_off_the_sh
     assert c["units"] == 7 and c["pearson"] < 0  # the big embedding table is the least sensitive
 
 
+def test_the_extractor_cuts_an_edge_layer_that_lowers_sensitivity_per_byte():
+    from jaxserve.layer_profile import Unit, group_blocks
+
+    def unit(name, layer, nbytes, grow):
+        return Unit(name, "x", layer, nbytes, nbytes * 1e-9, {2: 1.0, 4: 1.0 + grow})
+
+    # MiniLM's shape: layers alike, a table at the front worth half the model that barely grows,
+    # a head at the back; no block is above max_share, so only density can cut the edges
+    def units_with(embed_grow, head_bytes, head_grow):
+        us = [unit("embeddings", -1, 500, embed_grow)]
+        us += [unit(f"L{k}", k, 100, 1.0) for k in range(4)]
+        return us + [unit("head", 4, head_bytes, head_grow)]
+
+    blocks, splits = group_blocks(units_with(0.1, 300, 0.05), 4, edge_bytes=(500, 300), max_share=1.0)
+    assert [(b["start"], b["stop"], b["kept"]) for b in blocks] == [(0, 1, False), (1, 3, True), (3, 4, False)]
+    assert "embeddings" in blocks[0]["why"] and "head" in blocks[2]["why"]
+    assert blocks[1]["sensitivity"] == pytest.approx(2.0) and blocks[0]["sensitivity"] == pytest.approx(1.1)
+    assert splits == [dict(start=1, stop=3, bytes=200, load_s=pytest.approx(200e-9))]
+
+    # edges growing more per byte than the layers: the block keeps them
+    blocks, splits = group_blocks(units_with(10.0, 300, 6.0), 4, edge_bytes=(500, 300), max_share=1.0)
+    assert [(b["start"], b["stop"], b["kept"]) for b in blocks] == [(0, 4, True)]
+    assert blocks[0]["sensitivity"] == pytest.approx(20.0) and blocks[0]["bytes"] == 1200
+
+    # a block of its own whose bytes buy little is dropped for density, not for size or sensitivity
+    us = [unit("embeddings", -1, 10, 0.0), unit("L0", 0, 100, 1.0), unit("L1", 1, 900, 2.0), unit("L2", 2, 100, 1.0)]
+    blocks, _ = group_blocks(us, 3, edge_bytes=(10, 0), tolerance=0.1, min_share=0.1, max_share=0.9,
+                             min_density_share=0.25)
+    assert [(b["start"], b["stop"], b["kept"]) for b in blocks] == [(0, 1, True), (1, 2, False), (2, 3, True)]
+    assert "per byte" in blocks[1]["why"]
+    blocks, _ = group_blocks(us, 3, edge_bytes=(10, 0), tolerance=0.1, min_share=0.1, max_share=0.9,
+                             min_density_share=0.2)
+    assert blocks[1]["kept"]
+
+
 def test_a_layer_file_becomes_the_model_the_policy_plans_with():
     from jaxserve.sched.asyfunc import model_from_layers
 
