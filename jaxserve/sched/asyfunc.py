@@ -54,6 +54,13 @@ Decisions the paper leaves open, or where we differ (each is a knob or a line be
 * **Useless pairs.** Alg. 2 provisions the most efficient Φ whatever it buys; we provision a
   shadow only where the pair's Eq.-1 rate (max b / t over splits meeting the SLO) exceeds the
   body's alone, the purpose §4.3 states ("increase the maximum supported batch size").
+* **Smallest first.** Alg. 3 tries idle bodies in ascending cores, to maximise "processing
+  efficiency (the actual throughput per core)"; it predates the pairs. A body-shadow pair holds
+  the body's cores and the shadow's, so it is the larger unit: a body runs a batch alone when
+  that meets the head's deadline, and splits it only when alone it would not (or, in the
+  fallback, when the split is faster). Splitting whenever it was faster kept a shadow busy at
+  any load, so it was never released and held its core and block after the burst (the live run
+  of 11-27: AsyFunc held 2.00 cores, as many as BATCH, at a base load a 1-core body met).
 * **Release.** "When the burst passes": a shadow is released once the queue is below
   ``gamma`` and the shadow has done nothing for ``shadow_idle_s`` (5 s), smallest η first.
 * **Container pool.** A shadow starts from the node's warm empty worker, so it is ready after
@@ -803,15 +810,19 @@ class AsyFuncPolicy(Policy):
         s = self._inst.get(x.partner) if x.partner is not None else None
         return s if s is not None and s.ready and s.id in idle else None
 
-    def _latency(self, x: _Instance, b: int, idle: set[int]) -> tuple[float, int]:
-        """(modelled latency, b_B) of ``b`` rows on body ``x``: split with its idle shadow when
-        that is faster (b_B == b: not split)."""
+    def _options(self, x: _Instance, b: int, idle: set[int]) -> list[tuple[float, int]]:
+        """(modelled latency, b_B) of ``b`` rows on body ``x``, smallest unit first: the body
+        alone (b_B == b), then split with its idle shadow where that is faster."""
         t = self.model.step_seconds(None, x.cores, b)
         s = self._pair_of(x, idle)
         if s is None or b < 2:
-            return t, b
+            return [(t, b)]
         b_body, t_split = self._best_split(s.split, x.cores, s.cores, b)
-        return (t_split, b_body) if t_split < t else (t, b)
+        return [(t, b), (t_split, b_body)] if t_split < t else [(t, b)]
+
+    def _latency(self, x: _Instance, b: int, idle: set[int]) -> tuple[float, int]:
+        """The fastest of :meth:`_options`."""
+        return min(self._options(x, b, idle))
 
     def _evict_hopeless(self, now: float, evict: list[int]) -> None:
         t1 = self._t1
@@ -820,7 +831,9 @@ class AsyFuncPolicy(Policy):
 
     def _dispatch_adaptive(self, now: float, idle: set[int], batches: list[Batch], evict: list[int]) -> None:
         """Alg. 3: all of the queue (up to b_max) to the smallest idle unit that meets the head's
-        deadline; if none does, the largest batch that still makes it on the largest one."""
+        deadline, a body alone before its body-shadow pair (module docstring, **Smallest
+        first**); if none does, the largest batch that still makes it on the largest one, split
+        where that is faster."""
         self._evict_hopeless(now, evict)
         units = self._units(idle)
         while self._queue and units:
@@ -828,9 +841,11 @@ class AsyFuncPolicy(Policy):
             head = self._queue[0].deadline
             chosen = None
             for x in units:
-                t, b_body = self._latency(x, b, idle)
-                if now + t <= head:
-                    chosen = (x, b, b_body, t)
+                for t, b_body in self._options(x, b, idle):
+                    if now + t <= head:
+                        chosen = (x, b, b_body, t)
+                        break
+                if chosen is not None:
                     break
             if chosen is None:  # none meets it: shrink on the largest unit (module docstring)
                 x = units[-1]

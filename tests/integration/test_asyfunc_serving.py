@@ -7,8 +7,10 @@ AsyFunc⁻ never add a shadow; a text longer than the profiled bucket is refused
 pool actor.
 
 The layer profile is this module's (input data, like a cost model): prices at which a body of one
-core gains from a one-core shadow at the block [2:4), on a bucket of 16 tokens, and an SLO far
-beyond this machine's noise, so the decisions tested are the policy's, not the clock's."""
+core gains from a one-core shadow at the block [2:4), on a bucket of 16 tokens, scaled to tens of
+seconds against a 60 s SLO: a batch of 4 alone misses it and split meets it, so a body splits
+(it runs alone whenever alone meets the deadline), while the real steps take milliseconds. The
+decisions tested are the policy's, not the clock's."""
 
 from __future__ import annotations
 
@@ -28,13 +30,17 @@ SENTENCES = ["the flight was late again", "great service, thank you!", "lost my 
              "gate changed twice", "helpful staff at check-in"]
 
 
+SCALE = 1600  # profile ms -> modelled ms (module docstring)
+
+
 def per_row(ms_per_row: float, fixed_ms: float = 0.0) -> dict:
-    return {str(b): (fixed_ms + ms_per_row * b) / 1e3 for b in (1, 2, 4)}
+    return {str(b): SCALE * (fixed_ms + ms_per_row * b) / 1e3 for b in (1, 2, 4)}
 
 
 def layer_profile() -> dict:
     """Latency grows with rows; the block [2:4) is a third of the layers' cost, so a shadow
-    that takes part of a batch of 4 lowers its latency (4 rows: 40 ms alone, 32 ms split)."""
+    that takes part of a batch of 4 lowers its latency (4 rows at one core: 64 s alone, past the
+    60 s SLO, and 51.2 s split; 3 rows alone 48 s)."""
     stages = {MODEL: per_row(10.0), f"{MODEL}[0:2]": per_row(3.0), f"{MODEL}[2:4]": per_row(4.0),
               f"{MODEL}[4:6]": per_row(3.0)}
     return {"models": {MODEL: {
@@ -61,7 +67,8 @@ def settings_for(policy: str, profile_path: str, cache_dir: str, correct_prices:
     measured prices of this model at 16 tokens (and a step's overhead) need not."""
     return ServeSettings(models=(MODEL,), cache_dir=cache_dir, policy=policy, instances=1, progress=False,
                          tune=False, layer_profile=profile_path, asyfunc_node_cores=2, slo_ms=60_000, max_queue=64,
-                         asyfunc_body_cores=None if policy == "asyfunc-batch" else 1, correct_prices=correct_prices)
+                         asyfunc_body_cores=None if policy == "asyfunc-batch" else 1, correct_prices=correct_prices,
+                         asyfunc_period_s=3600)  # no MLS period within a test: its rates are the profile's
 
 
 def embeddings(client: httpx.Client, texts: list[str]) -> np.ndarray:
@@ -144,14 +151,14 @@ def test_without_layer_level_scaling_a_burst_never_adds_a_shadow(policy, profile
 
 def test_without_slo_ms_every_request_gets_the_policy_s_slo_as_its_deadline(profile_path, cache_dir):
     """AsyFunc plans every request against one SLO (default: 3x the whole model at (c_max, b_max),
-    here 3 x 20 ms): a request that sends no slo_ms gets it as its deadline."""
+    here 3 x 32 s): a request that sends no slo_ms gets it as its deadline."""
     import dataclasses
 
     settings = dataclasses.replace(settings_for("asyfunc", profile_path, cache_dir), slo_ms=None)
     with LiveServer(settings) as srv:
         engine = srv.app.state.jaxserve.engine
-        assert engine.policy.knobs.slo_s == pytest.approx(0.060)
-        assert engine.default_slo_ms == pytest.approx(60.0)
+        assert engine.policy.knobs.slo_s == pytest.approx(3 * 0.020 * SCALE)
+        assert engine.default_slo_ms == pytest.approx(3 * 20.0 * SCALE)
 
 
 def test_a_request_longer_than_the_profiled_bucket_is_refused_with_the_limit(profile_path, cache_dir):

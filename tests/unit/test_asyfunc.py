@@ -350,6 +350,32 @@ def test_a_shadow_whose_load_fails_is_released_and_its_body_serves_alone():
     assert metrics[("asyfunc_cores", (("kind", "body"),))] == 2.0
 
 
+def test_a_paired_body_runs_a_batch_alone_when_alone_meets_the_deadline_and_splits_when_not():
+    """Alg. 3's smallest first: the body alone is a smaller unit than its pair (module docstring)."""
+    from jaxserve.sched.base import PlacementChange
+
+    k = knobs(gamma=2, slo_s=1.0)
+    policy = AsyFuncPolicy(model(latency=FAST_SHADOW), k, (BodySpec(0, 0, 2),))
+    for rid in range(4):
+        policy.on_arrival(Request(rid, 0.0, "m", deadline=1.0), 0.0)
+    policy.plan(0.0, [])  # the body is busy and the queue reached gamma: a shadow
+    (shadow,) = policy.shadows()
+    policy.on_placement(PlacementChange("add_worker", shadow.id), True, 0.01, 0.01)
+    policy.on_placement(PlacementChange("load", shadow.id, BLOCK), True, 0.02, 0.02)
+    alone = policy.model.step_seconds(None, 2, 4)
+    split = policy.model.best_split(SPLIT, 2, shadow.cores, 4)[1]
+    assert split < alone  # the pair is faster at b = 4 ...
+    plan = policy.plan(0.1, [0, shadow.id])  # ... but alone meets the head's deadline (0.1 + 0.28 <= 1)
+    assert [(b.instance, b.stage, len(b.request_ids)) for b in plan.batches] == [(0, None, 4)]
+    policy.on_completion(plan.batches[0], 0.1 + alone)
+    now = 0.5
+    for rid in range(4, 8):  # a deadline only the pair meets
+        policy.on_arrival(Request(rid, now, "m", deadline=now + (alone + split) / 2), now)
+    plan = policy.plan(now, [0, shadow.id])
+    assert plan.batches and plan.batches[0].stage == PRE and plan.batches[0].instance == 0
+    assert policy.splits_done == 1
+
+
 def test_the_price_tracker_learns_the_measured_ratio_and_the_overhead_of_whole_steps_only():
     from jaxserve.sched.asyfunc import PriceTracker
 
