@@ -221,7 +221,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="re-measure the layer profiles first")
     ap.add_argument("--minutes", type=int, default=20, help="trace length (one compressed day)")
     ap.add_argument("--load-bodies", type=float, default=3.0, help="mean rate in 2-core bodies' Eq.-1 rates")
-    ap.add_argument("--sim-models", default="minilm-l6,mpnet-base", help="models simulated on the cluster")
+    ap.add_argument("--sim-models", default="minilm-l6,mpnet-base,dinov2-s14", help="models simulated on the cluster")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--write", action="store_true", help="write the RESULTS.md section and the plots")
     add_quick(ap, minutes=3, sim_models="minilm-l6")

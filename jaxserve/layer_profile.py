@@ -40,7 +40,8 @@ less than ``min_density_share`` of the densest block's density, are dropped. The
 large memory consumption" has no threshold; ours is relative to what a block buys, since a
 large block that grows in proportion is as good a shadow per byte as a small one. The shadow
 candidates (``splits``) are the contiguous unions of the remaining blocks taken in decreasing
-sensitivity (the paper's order; a shadow holds one layer range).
+sensitivity (the paper's order; a shadow holds one layer range), up to ``max_share`` of the
+model's bytes.
 
 **Stage costs.** For each split ``[i:j)``, the stages ``[0:i)``, ``[i:j)``, ``[j:L)`` and the
 whole model are timed as the engine's stages compute them (``jaxserve.models.bert.BertStage`` /
@@ -318,31 +319,25 @@ def measure_units(name: str, repeats: int = 3, progress: bool = False) -> dict:
 
 
 def group_blocks(units: list[Unit], num_layers: int, edge_bytes: tuple[int, int], tolerance: float = 0.25,
-                 min_share: float = 0.1, max_share: float = 0.8,
-                 min_density_share: float = 0.25) -> tuple[list[dict], list[dict]]:
+                 min_share: float = 0.1, max_share: float = 0.8, min_density_share: float = 0.25,
+                 max_block_share: float = 0.25) -> tuple[list[dict], list[dict]]:
     """(blocks, splits): the extractor (module docstring). A block is ``{start, stop,
     sensitivity, bytes, load_s, kept, why}``; a split ``{start, stop, bytes, load_s}``.
 
     A block's sensitivity, bytes and load time include the edge units its range holds (the
     embeddings for a range from layer 0, the pooler or head for one ending at the last layer).
-    Its **density** is sensitivity per byte: what a shadow buys per byte it loads. An edge
-    layer is cut off a block of several layers when the block without it is denser (or the
-    block holds more than ``max_share`` of the model's bytes), and kept as a block of its own,
-    dropped; a block is dropped when its density is below ``min_density_share`` of the densest
-    block's (the paper's "very large memory consumption", relative to what the block buys)."""
+    Its **density** is sensitivity per byte: what a shadow buys per byte it loads. A group
+    stops growing before its layers pass ``max_block_share`` of the model's bytes. An edge
+    layer is cut off a block of several layers when its own density (its edge unit's included)
+    is below ``1 - tolerance`` of the rest's (or the block holds more than ``max_share`` of the
+    model's bytes), and kept as a block of its own, dropped; a block is dropped when its
+    density is below ``min_density_share`` of the densest block's (the paper's "very large
+    memory consumption", relative to what the block buys)."""
     per_layer = []
     for k in range(num_layers):
         us = [u for u in units if u.layer == k]
         per_layer.append((sum(u.sensitivity for u in us), sum(u.param_bytes for u in us), sum(u.load_s for u in us)))
     total = sum(u.param_bytes for u in units)
-    groups: list[list[int]] = []
-    for k, (s, _, _) in enumerate(per_layer):
-        if groups:
-            mean = np.mean([per_layer[i][0] for i in groups[-1]])
-            if abs(s - mean) <= tolerance * max(abs(mean), 1e-12):
-                groups[-1].append(k)
-                continue
-        groups.append([k])
     edges = {e: [u for u in units if u.layer == e] for e in (-1, num_layers)}
 
     def block(start, stop):
@@ -357,6 +352,16 @@ def group_blocks(units: list[Unit], num_layers: int, edge_bytes: tuple[int, int]
                 sens += sum(u.sensitivity for u in edges[edge])
         return dict(start=start, stop=stop, sensitivity=sens, bytes=int(nbytes), load_s=load)
 
+    groups: list[list[int]] = []
+    for k, (s, _, _) in enumerate(per_layer):
+        if groups:
+            mean = np.mean([per_layer[i][0] for i in groups[-1]])
+            if (abs(s - mean) <= tolerance * max(abs(mean), 1e-12)
+                    and block(groups[-1][0], k + 1)["bytes"] <= max_block_share * total):
+                groups[-1].append(k)
+                continue
+        groups.append([k])
+
     def density(b):
         return b["sensitivity"] / max(b["bytes"], 1)
 
@@ -364,7 +369,7 @@ def group_blocks(units: list[Unit], num_layers: int, edge_bytes: tuple[int, int]
         if stop - start < 2:
             return b, None
         inner = block(*inner_range)
-        if density(inner) > density(b) or b["bytes"] > max_share * total:
+        if density(block(*edge_range)) < (1 - tolerance) * density(inner) or b["bytes"] > max_share * total:
             return inner, {**block(*edge_range), "kept": False, "why": f"{what}: less sensitivity per byte"}
         return b, None
 
@@ -406,6 +411,8 @@ def group_blocks(units: list[Unit], num_layers: int, edge_bytes: tuple[int, int]
         else:
             continue  # not adjacent to the union so far: a shadow holds one range
         u = block(lo, hi)
+        if u["bytes"] > max_share * total:
+            break  # a shadow that large is a body
         splits.append(dict(start=lo, stop=hi, bytes=u["bytes"], load_s=u["load_s"]))
     return blocks, splits
 

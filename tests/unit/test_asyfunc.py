@@ -261,7 +261,8 @@ def test_the_extractor_groups_similar_layers_and_keeps_the_embeddings_off_the_sh
     sens = [1.0, 1.1, 0.95, 1.05, 0.2, 0.21]  # layers 0-3 alike, 4-5 far less sensitive
     units = [unit("embeddings", -1, 600, 0.0)]
     units += [unit(f"L{k}", k, 100, s) for k, s in enumerate(sens)]
-    blocks, splits = group_blocks(units, 6, edge_bytes=(600, 0), tolerance=0.25, min_share=0.3, max_share=0.5)
+    blocks, splits = group_blocks(units, 6, edge_bytes=(600, 0), tolerance=0.25, min_share=0.3, max_share=0.5,
+                                  max_block_share=1.0)
     got = [(b["start"], b["stop"], b["kept"]) for b in blocks]
     # [0:4) would hold the embeddings (1000 of 1200 bytes): layer 0 is cut off and dropped as large
     assert got == [(0, 1, False), (1, 4, True), (4, 6, False)]
@@ -283,14 +284,16 @@ def test_the_extractor_cuts_an_edge_layer_that_lowers_sensitivity_per_byte():
         us += [unit(f"L{k}", k, 100, 1.0) for k in range(4)]
         return us + [unit("head", 4, head_bytes, head_grow)]
 
-    blocks, splits = group_blocks(units_with(0.1, 300, 0.05), 4, edge_bytes=(500, 300), max_share=1.0)
+    blocks, splits = group_blocks(units_with(0.1, 300, 0.05), 4, edge_bytes=(500, 300), max_share=1.0,
+                                  max_block_share=1.0)
     assert [(b["start"], b["stop"], b["kept"]) for b in blocks] == [(0, 1, False), (1, 3, True), (3, 4, False)]
     assert "embeddings" in blocks[0]["why"] and "head" in blocks[2]["why"]
     assert blocks[1]["sensitivity"] == pytest.approx(2.0) and blocks[0]["sensitivity"] == pytest.approx(1.1)
     assert splits == [dict(start=1, stop=3, bytes=200, load_s=pytest.approx(200e-9))]
 
     # edges growing more per byte than the layers: the block keeps them
-    blocks, splits = group_blocks(units_with(10.0, 300, 6.0), 4, edge_bytes=(500, 300), max_share=1.0)
+    blocks, splits = group_blocks(units_with(10.0, 300, 6.0), 4, edge_bytes=(500, 300), max_share=1.0,
+                                  max_block_share=1.0)
     assert [(b["start"], b["stop"], b["kept"]) for b in blocks] == [(0, 4, True)]
     assert blocks[0]["sensitivity"] == pytest.approx(20.0) and blocks[0]["bytes"] == 1200
 
@@ -303,6 +306,17 @@ def test_the_extractor_cuts_an_edge_layer_that_lowers_sensitivity_per_byte():
     blocks, _ = group_blocks(us, 3, edge_bytes=(10, 0), tolerance=0.1, min_share=0.1, max_share=0.9,
                              min_density_share=0.2)
     assert blocks[1]["kept"]
+
+    # identical layers (a transformer's) group into blocks of at most max_block_share of the bytes,
+    # so a shadow has several sizes to choose from, not one block of nearly the whole model
+    us = [unit("embeddings", -1, 10, 0.05)] + [unit(f"L{k}", k, 100, 1.0) for k in range(8)]
+    blocks, splits = group_blocks(us, 8, edge_bytes=(10, 0), max_block_share=0.3)  # 2 layers and the table
+    assert [(b["start"], b["stop"]) for b in blocks] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert all(b["kept"] for b in blocks) and len(splits) >= 2 and splits[0]["bytes"] <= 0.3 * 810
+    assert [s["stop"] - s["start"] for s in splits] == sorted(s["stop"] - s["start"] for s in splits)
+    assert [(s["start"], s["stop"]) for s in splits] == [(0, 2), (0, 4), (0, 6)]  # [0:8) is a body, not a shadow
+    blocks, _ = group_blocks(us, 8, edge_bytes=(10, 0), max_block_share=1.0)
+    assert [(b["start"], b["stop"], b["kept"]) for b in blocks] == [(0, 1, False), (1, 8, False)]  # above max_share
 
 
 def test_a_layer_file_becomes_the_model_the_policy_plans_with():
