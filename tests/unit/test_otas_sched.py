@@ -465,10 +465,10 @@ def _second_at_rate(p, second, rate, first_id):
 def test_infaas_pays_the_target_variants_own_switch_cost():
     """Switching to a variant blocks every batch until clock + that variant's cost (not one cost
     for all), and a forced switch (the current variant cannot sustain the rate) is not held back
-    by the default hold of 10 decisions."""
+    by the default hold of 20 decisions."""
     costs = {"vit-s": 0.2, "vit-b": 0.7, "vit-l": 1.5}
     p = INFaaSPolicy(variants(), switch_seconds=costs, decision_interval=1.0, start_time=0.0)
-    assert p.hold == 10 and p.switch_costs == costs and p.current_variant == "vit-l"  # loaded for free
+    assert p.hold == 20 and p.switch_costs == costs and p.current_variant == "vit-l"  # loaded for free
     plan, i = _second_at_rate(p, 1, 60, 0)  # L sustains 42.7 req/s: forced, to B (128)
     assert plan.batches == () and p.current_variant == "vit-b" and plan.wake_at == pytest.approx(1.7)
     assert p.plan(1.69, [0]).batches == ()  # still loading B
