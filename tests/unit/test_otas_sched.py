@@ -453,6 +453,75 @@ def test_infaas_never_loses_a_request():
     assert len({b.model for b in batches}) >= 2 and p.counters["switches"] >= 1
 
 
+def _second_at_rate(p, second, rate, first_id):
+    """``rate`` arrivals spread over (second - 1, second] (no deadline), then one plan at
+    ``second``: the policy's measured rate there is ``rate`` (1 s window). Returns (plan, next id)."""
+    for k in range(rate):
+        t = second - 1 + (k + 1) / rate
+        p.on_arrival(req(first_id + k, t), t)
+    return p.plan(float(second), [0]), first_id + rate
+
+
+def test_infaas_pays_the_target_variants_own_switch_cost():
+    """Switching to a variant blocks every batch until clock + that variant's cost (not one cost
+    for all), and a forced switch (the current variant cannot sustain the rate) is not held back
+    by the default hold of 20 decisions."""
+    costs = {"vit-s": 0.2, "vit-b": 0.7, "vit-l": 1.5}
+    p = INFaaSPolicy(variants(), switch_seconds=costs, decision_interval=1.0, start_time=0.0)
+    assert p.hold == 20 and p.switch_costs == costs and p.current_variant == "vit-l"  # loaded for free
+    plan, i = _second_at_rate(p, 1, 60, 0)  # L sustains 42.7 req/s: forced, to B (128)
+    assert plan.batches == () and p.current_variant == "vit-b" and plan.wake_at == pytest.approx(1.7)
+    assert p.plan(1.69, [0]).batches == ()  # still loading B
+    assert [b.model for b in p.plan(1.7, [0]).batches] == ["vit-b"]
+    assert p.loading_seconds == pytest.approx(0.7)
+    plan, i = _second_at_rate(p, 3, 200, i)  # B cannot sustain 200: forced, to S (256)
+    assert plan.batches == () and p.current_variant == "vit-s" and plan.wake_at == pytest.approx(3.2)
+    assert p.plan(3.19, [0]).batches == () and [b.model for b in p.plan(3.2, [0]).batches] == ["vit-s"]
+    assert p.loading_seconds == pytest.approx(0.9)
+    assert p.counters["switches"] == p.counters["switches_forced"] == 2
+
+
+def test_infaas_hysteresis_ignores_an_oscillating_rate_but_follows_a_sustained_fall():
+    """The rate alternates each second between 100 req/s (B's: L cannot sustain it) and 30 req/s
+    (L's, but B keeps up). With hold 4 the policy moves to B once (forced) and stays; without
+    hysteresis (hold 1) it flaps every second. A fall to 30 req/s that lasts 4 decisions then moves
+    it to L at the 4th (elective)."""
+    def run(hold):
+        p = INFaaSPolicy(variants(), switch_seconds=0.0, decision_interval=1.0, start_time=0.0, hold=hold)
+        i, seen = 0, []
+        for second in range(1, 20):  # odd seconds 100 req/s, even ones 30, ending on 100
+            _, i = _second_at_rate(p, second, 100 if second % 2 else 30, i)
+            seen.append(p.current_variant)
+        return p, seen, i
+
+    flappy, seen, _ = run(1)
+    assert flappy.counters["switches"] == 19 and seen[:4] == ["vit-b", "vit-l", "vit-b", "vit-l"]
+    p, seen, i = run(4)
+    assert seen == ["vit-b"] * 19 and p.counters["switches"] == p.counters["switches_forced"] == 1
+    for second in range(20, 23):  # calm: L is the choice, B still sustains it
+        _, i = _second_at_rate(p, second, 30, i)
+        assert p.current_variant == "vit-b"
+    _, i = _second_at_rate(p, 23, 30, i)
+    assert p.current_variant == "vit-l" and p.counters["switches_elective"] == 1
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(switch_seconds=-0.1), "switch_seconds must be a finite number >= 0"),
+    (dict(switch_seconds=float("nan")), "switch_seconds must be a finite number >= 0"),
+    (dict(switch_seconds=math.inf), "switch_seconds must be a finite number >= 0"),
+    (dict(switch_seconds={"vit-s": 0.1, "vit-b": 0.2}), r"missing \['vit-l'\]"),
+    (dict(switch_seconds={"vit-s": 0.1, "vit-b": 0.2, "vit-l": 0.3, "vit-h": 0.4}), r"unknown \['vit-h'\]"),
+    (dict(switch_seconds={"vit-s": 0.1, "vit-b": -1.0, "vit-l": 0.3}), r"switch_seconds\['vit-b'\]"),
+    (dict(switch_seconds={"vit-s": 0.1, "vit-b": float("nan"), "vit-l": 0.3}), r"switch_seconds\['vit-b'\]"),
+    (dict(switch_seconds=0.1, hold=0), "hold must be an integer >= 1"),
+    (dict(switch_seconds=0.1, hold=2.5), "hold must be an integer >= 1"),
+    (dict(switch_seconds=0.1, decision_interval=-1.0), "decision_interval"),
+])
+def test_infaas_refuses_bad_switch_costs_and_hold_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        INFaaSPolicy(variants(), **kwargs)
+
+
 # --------------------------------------------------------------------------- serving glue
 
 

@@ -17,7 +17,7 @@ def _variants():
     def one(name, scale, acc):
         return {"name": name, "latency": [[1, 0.1 * scale], [8, 0.5 * scale]],
                 "accuracy": {"mnist": acc, "animals": acc - 0.1},
-                "correct": {"mnist": [True, False, True], "animals": [False, False, True]}, "load_seconds": 1.0}
+                "correct": {"mnist": [True, False, True], "animals": [False, False, True]}, "load_seconds": 2.0 * scale}
 
     return {"switch_seconds": 1.5, "variants": [one("m-d6", 0.5, 0.8), one("m", 1.0, 0.9)]}
 
@@ -39,6 +39,9 @@ def test_a_valid_file_passes():
     (lambda r: r["variants"][0]["correct"].pop("animals"), "correct covers"),
     (lambda r: r["variants"][0]["correct"]["mnist"].append(True), "images per task"),
     (lambda r: r["variants"][0]["correct"].update(mnist=[1, 0, 1]), "booleans"),
+    (lambda r: r["variants"][0].pop("load_seconds"), "m-d6: load_seconds"),
+    (lambda r: r["variants"][1].update(load_seconds=-0.5), "m: load_seconds"),
+    (lambda r: r["variants"][1].update(load_seconds=float("inf")), "m: load_seconds"),
     (lambda r: [v["accuracy"].update(extra=0.5) or v["correct"].update(extra=[True]) for v in r["variants"][:1]],
      "tasks"),
 ])
@@ -53,13 +56,17 @@ def test_a_malformed_file_is_refused_naming_the_field(change, field):
 def test_latencies_are_anchored_to_the_cost_model_through_the_served_model(tmp_path):
     """Per batch size, every variant is scaled by cost model / served model's own timing (then by
     ``factor``): the served model gets the cost model's latency exactly, the others keep their
-    measured ratio to it."""
+    measured ratio to it. The switch cost is each variant's own measured load time, unscaled, and
+    INFaaS takes it as given."""
+    from jaxserve.sched.otas import INFaaSPolicy
+
     path = tmp_path / "v.json"
     path.write_text(json.dumps(_variants()))
     cost = LatencyProfile("m", {Cell(1, 0, 0): 0.2, Cell(8, 0, 0): 2.0})
     variants, switch, correct = load_variants(path, 0.5, cost, base="m")
     by_name = {v.name: v for v in variants}
-    assert switch == 1.5  # I/O: not scaled
+    assert switch == {"infaas:m-d6": 1.0, "infaas:m": 2.0}  # each variant's own load time; I/O: not scaled
+    assert INFaaSPolicy(variants, switch).switch_costs == switch
     assert by_name["infaas:m"].latency.latency_for(8, 0, 0) == pytest.approx(2.0 * 0.5)
     assert by_name["infaas:m-d6"].latency.latency_for(8, 0, 0) == pytest.approx(0.5 * 2.0 * 0.5)
     assert by_name["infaas:m-d6"].latency.latency_for(1, 0, 0) == pytest.approx(0.5 * 0.2 * 0.5)
