@@ -390,6 +390,20 @@ def test_a_paired_body_runs_a_batch_alone_when_alone_meets_the_deadline_and_spli
     assert policy.splits_done == 1
 
 
+def test_lls_counts_only_requests_left_waiting_after_every_idle_body_took_a_batch():
+    k = knobs(gamma=2, slo_s=1.0)
+    policy = AsyFuncPolicy(model(latency=FAST_SHADOW), k, (BodySpec(0, 0, 2),))
+    for rid in range(3):  # a queue of 3 >= gamma, all of it taken at once by the idle body
+        policy.on_arrival(Request(rid, 0.0, "m", deadline=1.0), 0.0)
+    plan = policy.plan(0.0, [0])
+    assert [(b.instance, len(b.request_ids)) for b in plan.batches] == [(0, 3)]
+    assert policy.shadows() == [] and plan.placement == ()
+    for rid in range(3, 9):  # six more while it is busy: four can wait for it, the burst is real
+        policy.on_arrival(Request(rid, 0.01, "m", deadline=1.01), 0.01)
+    plan = policy.plan(0.01, [])
+    assert len(policy.shadows()) == 1 and [c.action for c in plan.placement] == ["add_worker"]
+
+
 def test_the_price_tracker_learns_the_measured_ratio_and_the_overhead_of_whole_steps_only():
     from jaxserve.sched.asyfunc import PriceTracker
 
