@@ -780,6 +780,16 @@ class _QueuedBatch:
             self._useful = (options, _DPStage(_undominated(options)))
         return self._useful[1]
 
+    def dp_inputs(self, pricer: "_Pricer") -> tuple[list[GammaOption], _DPStage]:
+        """``(self.options(pricer), self.undominated(pricer))``, read without recomputing when nothing
+        changed since they were made (the same requests, the same pricer): a DP reads every queued batch."""
+        useful = self._useful
+        if (useful is None or self._by is not pricer or self._summed != len(self.requests)
+                or useful[0] is not self._options):
+            self.undominated(pricer)
+            useful = self._useful
+        return useful
+
     def sort_key(self) -> tuple[float, float, int]:
         return (self.deadline, self.opened, self.key)
 
@@ -1283,10 +1293,10 @@ class OTASPolicy(SelectiveBatchingPolicy):
             chosen = manual_allocate(deadlines, means, options, clock, load_gamma, self.params.kappa)
             self.counters["alg3_runs"] += 1
             return [(qb, g, "load") for qb, g in zip(head, chosen)]
-        options = [qb.options(pricer) for qb in ordered]
-        deadlines = [qb.deadline for qb in ordered]
-        solution = solve_token_dp(deadlines, options, clock, self.params.max_labels,
-                                  undominated=[qb.undominated(pricer) for qb in ordered])
+        inputs = [qb.dp_inputs(pricer) for qb in ordered]
+        options = [o for o, _ in inputs]
+        solution = solve_token_dp([qb.deadline for qb in ordered], options, clock, self.params.max_labels,
+                                  undominated=[u for _, u in inputs])
         self.last_solution = solution
         self.counters["dp_runs"] += 1
         self.counters["dp_truncated"] += int(solution.truncated)

@@ -554,14 +554,20 @@ def test_a_queued_batch_keeps_its_deadline_and_options_current_across_changes_an
     assert qb.options(p1) == p1.options(rs[:1]) and qb.deadline == 5.0
     for n in range(2, 6):
         qb.add(rs[n - 1])
+        if n % 2:  # the DP's read of options and stage, first after the change
+            options, stage = qb.dp_inputs(p1)
+            assert options == p1.options(rs[:n]) and stage.useful == tuple(_undominated(options))
         assert qb.options(p1) == p1.options(rs[:n])  # exact: the same floating-point sums
         assert qb.deadline == min(r.deadline for r in rs[:n])
+        assert qb.dp_inputs(p1) == (qb.options(p1), qb.undominated(p1))
     qb.keep([rs[0], rs[2], rs[3]])  # rs[1] and rs[4] withdrawn or evicted
+    assert qb.dp_inputs(p1)[0] == p1.options([rs[0], rs[2], rs[3]])
     assert qb.options(p1) == p1.options([rs[0], rs[2], rs[3]]) and qb.deadline == rs[3].deadline
     slower = latency_profile(scale={g: 2 * s for g, s in SCALE.items()})
     p2 = _Pricer("vit", slower, ACCP, GRID, GAMMAS)  # a reprice
     assert qb.options(p2) == p2.options(qb.requests)
     assert qb.undominated(p2).useful == tuple(_undominated(p2.options(qb.requests)))  # the DP's stage, kept with them
+    assert qb.dp_inputs(p2) == (qb.options(p2), qb.undominated(p2))
     assert [o.seconds for o in qb.options(p2)] == [2 * o.seconds for o in p1.options(qb.requests)]
     flat = accuracy_profile(acc={t: {g: 0.5 for g in accs} for t, accs in ACC.items()})
     p3 = _Pricer("vit", slower, flat, GRID, GAMMAS)  # a reloaded accuracy profile
