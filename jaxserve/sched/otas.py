@@ -276,15 +276,17 @@ def solve_token_dp(
     already in EDD order (Alg. 2 line 1) and executed one after another from ``start``;
     an executed batch must finish strictly before its deadline. Among equal utility the
     earlier finishing clock wins. See the module docstring for the fixes to the paper.
-    ``undominated``: ``_undominated(options[b])`` per batch, if the caller keeps them.
+    ``undominated``: ``_undominated(options[b])`` per batch (or its :class:`_DPStage`), if
+    the caller keeps them.
 
     Per batch, every label of the previous frontier is extended by "skip" and by each
     undominated option that meets the deadline; the candidates, ordered by (clock, higher
     utility first, parent, option), keep a label iff its utility strictly exceeds the last
     kept one's (and is not equal to it within 1e-9 relative); a frontier above ``max_labels``
-    is thinned evenly. A large stage runs in numpy (:func:`_dp_stage_numpy`), a small one in
-    Python (:func:`_dp_stage_python`): the same floating-point operations, hence the same
-    labels to the bit (tests/unit/test_otas_sched.py compares them with a plain transcription).
+    is thinned evenly. A large stage runs in numpy (:func:`_dp_stage_complex`; once a NaN
+    may arise, :func:`_dp_stage_numpy`), a small one in Python (:func:`_dp_stage_python`):
+    the same floating-point operations, hence the same labels to the bit
+    (tests/unit/test_otas_sched.py compares them with a plain transcription).
     """
     if len(deadlines) != len(options):
         raise ValueError("one option list per batch")
@@ -293,25 +295,52 @@ def solve_token_dp(
     if undominated is not None and len(undominated) != len(options):
         raise ValueError("one undominated list per batch")
     # The frontier, in candidate order (clocks ascending, utilities ascending): its clocks and
-    # its utilities negated (so that ascending (clock, -utility) is the candidate order); lists
-    # or arrays, whichever the last stage made. -(u + x) == -u - x exactly, so no value differs.
+    # its utilities negated (so that ascending (clock, -utility) is the candidate order), as
+    # lists (a small stage made it), two arrays (_dp_stage_numpy) or one complex array
+    # clock + 1j * -utility (_dp_stage_complex). -(u + x) == -u - x exactly, so no value differs.
     clocks: list[float] | np.ndarray = [start]
     negs: list[float] | np.ndarray = [-0.0]
+    joint: np.ndarray | None = None  # the complex frontier, when the last stage made one (clocks/negs stale)
+    # While no NaN can arise (a start that is not NaN, finite options so far) every stage function
+    # makes the same labels; after a NaN might, each stage runs where it always did (their sorts
+    # may place NaNs differently).
+    no_nan = not math.isnan(start)
     links: list[tuple] = []  # per batch, how each label of its frontier was made (see _dp_parent)
     truncated = False
     widest = 1
     for b, deadline in enumerate(deadlines):
-        useful = _undominated(options[b]) if undominated is None else undominated[b]
-        if len(clocks) * (len(useful) + 1) >= _DP_NUMPY_FROM:
-            stage = _dp_stage_numpy(clocks, negs, useful, deadline, max_labels)
+        if undominated is None:
+            stage = _DPStage(_undominated(options[b]))
         else:
-            if isinstance(clocks, np.ndarray):
+            stage = undominated[b]
+            if not isinstance(stage, _DPStage):
+                stage = _DPStage(stage)
+        no_nan = no_nan and stage.plain
+        n_labels = len(clocks) if joint is None else len(joint)
+        candidates = n_labels * stage.width
+        if no_nan and candidates >= _DP_NUMPY_FROM:
+            if joint is None:
+                joint = np.empty(n_labels, dtype=np.complex128)
+                joint.real, joint.imag = clocks, negs
+            joint, link, thinned = _dp_stage_complex(joint, stage, deadline, max_labels)
+            n_labels = len(joint)
+        elif not no_nan and candidates >= _DP_TWO_ARRAYS_FROM:
+            if joint is not None:
+                clocks, negs, joint = joint.real.copy(), joint.imag.copy(), None
+            clocks, negs, link, thinned = _dp_stage_numpy(clocks, negs, stage.useful, deadline, max_labels)
+            n_labels = len(clocks)
+        else:
+            if joint is not None:
+                clocks, negs, joint = joint.real.tolist(), joint.imag.tolist(), None
+            elif isinstance(clocks, np.ndarray):
                 clocks, negs = clocks.tolist(), negs.tolist()
-            stage = _dp_stage_python(clocks, negs, useful, deadline, max_labels)
-        clocks, negs, link, thinned = stage
+            clocks, negs, link, thinned = _dp_stage_python(clocks, negs, stage.useful, deadline, max_labels)
+            n_labels = len(clocks)
         truncated = truncated or thinned
-        widest = max(widest, len(clocks))
+        widest = max(widest, n_labels)
         links.append(link)
+    if joint is not None:
+        clocks, negs = joint.real, joint.imag
     best = len(clocks) - 1  # the frontier's last label: max utility, earliest among ties
     utility, finish = -float(negs[best]), float(clocks[best])
     gammas: list[Optional[int]] = []
@@ -323,7 +352,36 @@ def solve_token_dp(
     return DPSolution(tuple(gammas), utility, finish, widest, truncated)
 
 
-_DP_NUMPY_FROM = 160  # candidate labels from which a DP stage runs in numpy (the same labels, faster)
+class _DPStage:
+    """One batch's undominated options (``_undominated(options)``) as a DP stage reads them,
+    built once per option list: the policy keeps one per queued batch (:meth:`_QueuedBatch.undominated`).
+
+    ``delta``: per column (0: skip, then the options) the complex step added to a label
+    ``clock + 1j * -utility``: ``seconds - 1j * utility``, and ``-0.0 - 0.0j`` for skip, which
+    leaves every label as it is (x + -0.0 == x for every x, -0.0 included; n + -g == n - g).
+    ``plain``: the seconds and utilities are finite, so that from a frontier without NaN no
+    candidate is NaN (each step adds a finite number; inf - inf never happens) and the complex
+    stage's sort orders the candidates exactly as :func:`np.lexsort` on (clock, -utility) does."""
+
+    __slots__ = ("useful", "width", "columns", "delta", "plain")
+
+    def __init__(self, useful: Iterable[tuple[int, GammaOption]]) -> None:
+        self.useful: tuple[tuple[int, GammaOption], ...] = tuple(useful)
+        self.width = len(self.useful) + 1
+        self.columns = [-1] + [k for k, _ in self.useful]
+        self.delta = np.array([complex(-0.0, -0.0)] + [complex(o.seconds, -o.utility) for _, o in self.useful],
+                              dtype=np.complex128)
+        self.plain = all(math.isfinite(o.seconds) and math.isfinite(o.utility) for _, o in self.useful)
+
+    def __len__(self) -> int:
+        return len(self.useful)
+
+    def __iter__(self):
+        return iter(self.useful)
+
+
+_DP_NUMPY_FROM = 40  # candidate labels from which a DP stage runs in numpy (the same labels, faster from ~35)
+_DP_TWO_ARRAYS_FROM = 160  # the same where a NaN may arise (_dp_stage_numpy, from as many as it always ran from)
 _THIN: dict[tuple[int, int], list[int]] = {}
 
 
@@ -335,6 +393,19 @@ def _thin(n: int, max_labels: int) -> list[int]:
         pick = _THIN[(n, max_labels)] = [round(i * step) for i in range(max_labels)]
         if len(_THIN) > 4096:
             _THIN.clear()
+    return pick
+
+
+_THIN_ARRAYS: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _thin_array(n: int, max_labels: int) -> np.ndarray:
+    """:func:`_thin` as an index array."""
+    pick = _THIN_ARRAYS.get((n, max_labels))
+    if pick is None:
+        pick = _THIN_ARRAYS[(n, max_labels)] = np.array(_thin(n, max_labels), dtype=np.intp)
+        if len(_THIN_ARRAYS) > 4096:
+            _THIN_ARRAYS.clear()
     return pick
 
 
@@ -432,6 +503,46 @@ def _dp_stage_numpy(clocks, negs, useful: Sequence[tuple[int, GammaOption]], dea
         kept = kept[_thin(len(kept), max_labels)]
     chosen = order[kept]
     return cc[chosen], nn[chosen], ("np", flat[chosen], width, [-1] + [k for k, _ in useful]), thinned
+
+
+def _dp_stage_complex(joint: np.ndarray, stage: _DPStage, deadline: float, max_labels: int) -> tuple:
+    """:func:`_dp_stage_numpy` on the frontier as one complex array ``clock + 1j * -utility``
+    (no NaN in it or in ``stage``): (frontier, link, thinned), the same labels with fewer numpy
+    calls. One complex addition makes every candidate's clock and negated utility (the real and
+    imaginary parts add separately: the same additions); a stable sort of complex numbers is
+    lexicographic, (clock, -utility) then the order made, as np.lexsort's; the running minimum
+    of the negated utilities drops exactly where a label beats every one before it."""
+    cand = joint[:, None] + stage.delta  # flat index = parent * width + column: the order candidates are made in
+    fits = cand.real < deadline
+    fits[:, 0] = True  # skip: always possible
+    flat = fits.ravel().nonzero()[0]
+    cand = cand.ravel()[flat]
+    order = cand.argsort(kind="stable")
+    cand = cand[order]
+    sn = cand.imag
+    low = np.minimum.accumulate(sn)
+    drop = low[:-1] - low[1:]  # > 0 exactly where the utility beats every label before it (no NaN)
+    keep = np.empty(len(sn), dtype=bool)
+    keep[0] = True
+    np.greater(drop, 0.0, out=keep[1:])
+    kept = keep.nonzero()[0]
+    if len(kept) > 1:
+        # _dp_stage_numpy's near-tie test compares each such label's drop with 1e-9 x the larger
+        # magnitude of the two utilities, which lie between low[-1] and sn[0]: a drop above
+        # 1e-9 x the larger of those passes every test, so only a smaller one needs the test itself.
+        # (Every drop is >= 0: the labels dropping by more than the bound are all of them iff none needs it.)
+        bound = 1e-9 * max(1.0, abs(float(low[-1])), abs(float(sn[0])))
+        if np.count_nonzero(drop > bound) != len(kept) - 1:
+            better = kept[1:]
+            gap_to = low[better - 1]
+            here = sn[better]
+            if ((gap_to - here) <= 1e-9 * np.maximum(1.0, np.maximum(np.abs(here), np.abs(gap_to)))).any():
+                kept = _dp_keep_near_ties(sn, low)
+    thinned = len(kept) > max_labels
+    if thinned:
+        kept = kept[_thin_array(len(kept), max_labels)]
+    chosen = order[kept]
+    return cand[kept], ("np", flat[chosen], stage.width, stage.columns), thinned
 
 
 # --------------------------------------------------------------------------- Alg. 3
@@ -627,7 +738,7 @@ class _QueuedBatch:
         self._summed = 0
         self._options: list[GammaOption] | None = None  # of requests[:_summed]
         self._by: "_Pricer | None" = None  # the pricer the sums and options are of
-        self._useful: tuple[list[GammaOption], list[tuple[int, GammaOption]]] | None = None  # (options, undominated)
+        self._useful: tuple[list[GammaOption], _DPStage] | None = None  # (options, their undominated ones)
 
     def add(self, request: Request) -> None:
         self.requests.append(request)
@@ -662,12 +773,22 @@ class _QueuedBatch:
             self._options = pricer.options(self.requests, sums)
         return self._options
 
-    def undominated(self, pricer: "_Pricer") -> list[tuple[int, GammaOption]]:
-        """``_undominated(self.options(pricer))``, kept while the options are."""
+    def undominated(self, pricer: "_Pricer") -> _DPStage:
+        """``_undominated(self.options(pricer))`` as a DP stage reads it, kept while the options are."""
         options = self.options(pricer)
         if self._useful is None or self._useful[0] is not options:
-            self._useful = (options, _undominated(options))
+            self._useful = (options, _DPStage(_undominated(options)))
         return self._useful[1]
+
+    def dp_inputs(self, pricer: "_Pricer") -> tuple[list[GammaOption], _DPStage]:
+        """``(self.options(pricer), self.undominated(pricer))``, read without recomputing when nothing
+        changed since they were made (the same requests, the same pricer): a DP reads every queued batch."""
+        useful = self._useful
+        if (useful is None or self._by is not pricer or self._summed != len(self.requests)
+                or useful[0] is not self._options):
+            self.undominated(pricer)
+            useful = self._useful
+        return useful
 
     def sort_key(self) -> tuple[float, float, int]:
         return (self.deadline, self.opened, self.key)
@@ -1172,10 +1293,10 @@ class OTASPolicy(SelectiveBatchingPolicy):
             chosen = manual_allocate(deadlines, means, options, clock, load_gamma, self.params.kappa)
             self.counters["alg3_runs"] += 1
             return [(qb, g, "load") for qb, g in zip(head, chosen)]
-        options = [qb.options(pricer) for qb in ordered]
-        deadlines = [qb.deadline for qb in ordered]
-        solution = solve_token_dp(deadlines, options, clock, self.params.max_labels,
-                                  undominated=[qb.undominated(pricer) for qb in ordered])
+        inputs = [qb.dp_inputs(pricer) for qb in ordered]
+        options = [o for o, _ in inputs]
+        solution = solve_token_dp([qb.deadline for qb in ordered], options, clock, self.params.max_labels,
+                                  undominated=[u for _, u in inputs])
         self.last_solution = solution
         self.counters["dp_runs"] += 1
         self.counters["dp_truncated"] += int(solution.truncated)

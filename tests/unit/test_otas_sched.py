@@ -615,7 +615,7 @@ def test_a_queued_batch_keeps_its_deadline_and_options_current_across_changes_an
     equal a fresh computation after every change: requests added (the sums continue in the same
     order, so they are equal to the last bit), withdrawn or evicted (``keep``), and a new pricer
     (a reprice or a reloaded accuracy profile)."""
-    from jaxserve.sched.otas import _Pricer, _QueuedBatch
+    from jaxserve.sched.otas import _Pricer, _QueuedBatch, _undominated
 
     p1 = _Pricer("vit", LAT, ACCP, GRID, GAMMAS)
     rs = [req(i, 0.0, deadline=5.0 - 0.1 * i, utility=0.3 + 0.17 * i, task=("c10", "c100")[i % 2]) for i in range(7)]
@@ -623,13 +623,20 @@ def test_a_queued_batch_keeps_its_deadline_and_options_current_across_changes_an
     assert qb.options(p1) == p1.options(rs[:1]) and qb.deadline == 5.0
     for n in range(2, 6):
         qb.add(rs[n - 1])
+        if n % 2:  # the DP's read of options and stage, first after the change
+            options, stage = qb.dp_inputs(p1)
+            assert options == p1.options(rs[:n]) and stage.useful == tuple(_undominated(options))
         assert qb.options(p1) == p1.options(rs[:n])  # exact: the same floating-point sums
         assert qb.deadline == min(r.deadline for r in rs[:n])
+        assert qb.dp_inputs(p1) == (qb.options(p1), qb.undominated(p1))
     qb.keep([rs[0], rs[2], rs[3]])  # rs[1] and rs[4] withdrawn or evicted
+    assert qb.dp_inputs(p1)[0] == p1.options([rs[0], rs[2], rs[3]])
     assert qb.options(p1) == p1.options([rs[0], rs[2], rs[3]]) and qb.deadline == rs[3].deadline
     slower = latency_profile(scale={g: 2 * s for g, s in SCALE.items()})
     p2 = _Pricer("vit", slower, ACCP, GRID, GAMMAS)  # a reprice
     assert qb.options(p2) == p2.options(qb.requests)
+    assert qb.undominated(p2).useful == tuple(_undominated(p2.options(qb.requests)))  # the DP's stage, kept with them
+    assert qb.dp_inputs(p2) == (qb.options(p2), qb.undominated(p2))
     assert [o.seconds for o in qb.options(p2)] == [2 * o.seconds for o in p1.options(qb.requests)]
     flat = accuracy_profile(acc={t: {g: 0.5 for g in accs} for t, accs in ACC.items()})
     p3 = _Pricer("vit", slower, flat, GRID, GAMMAS)  # a reloaded accuracy profile
@@ -858,7 +865,7 @@ def test_dp_equals_its_plain_transcription_to_the_bit(monkeypatch):
     import jaxserve.sched.otas as otas_module
 
     used = {"numpy": 0, "near": 0, "python": 0}
-    for name, key in (("_dp_stage_numpy", "numpy"), ("_dp_keep_near_ties", "near"), ("_dp_stage_python", "python")):
+    for name, key in (("_dp_stage_complex", "numpy"), ("_dp_keep_near_ties", "near"), ("_dp_stage_python", "python")):
         real = getattr(otas_module, name)
         monkeypatch.setattr(otas_module, name, lambda *a, _real=real, _key=key: used.__setitem__(_key, used[_key] + 1)
                             or _real(*a))
@@ -883,3 +890,115 @@ def test_dp_equals_its_plain_transcription_to_the_bit(monkeypatch):
             assert got.utility.hex() == want.utility.hex() and got.finish.hex() == want.finish.hex()
             assert (got.max_frontier, got.truncated) == (want.max_frontier, want.truncated)
     assert min(used.values()) > 0, used  # every path ran
+
+
+def _random_stage(rng, kind):
+    """A frontier (clocks, negated utilities), undominated options and a deadline for one DP stage,
+    drawn for the hard cases: equal clocks, utilities equal up to rounding, large magnitudes."""
+    from jaxserve.sched.otas import _undominated
+
+    n = rng.choice([1, 2, 5, 40, 90, 127, 128, 200])
+    if kind == "frontier":  # as a stage leaves it: clocks and utilities ascending
+        clocks = sorted(rng.choice([0.125, 0.25, 0.5, 0.375]) * rng.randint(0, 60) for _ in range(n)) \
+            if rng.random() < 0.5 else sorted(rng.uniform(0.0, 3.0) for _ in range(n))
+        negs = sorted((-sum(rng.choice([0.1, 0.2, 0.3]) for _ in range(rng.randint(0, 12))) for _ in range(n)),
+                      reverse=True)
+    else:  # anything (the stage does not rely on the order)
+        clocks = [rng.choice([0.25 * rng.randint(0, 9), rng.uniform(-1.0, 3.0), -0.0]) for _ in range(n)]
+        negs = [rng.choice([-0.1 - 0.2, -0.3, -0.0, 0.0, -rng.uniform(0, 1e12), rng.uniform(-5, 5)]) for _ in range(n)]
+    if kind == "infinite":  # an infinite start: every clock infinite (still no NaN)
+        clocks = [rng.choice([math.inf, -math.inf])] * n
+    opts = [GammaOption(g, rng.choice([0.125, 0.25, 0.5, rng.uniform(0.01, 0.6)]),
+                        rng.choice([0.1, 0.2, 0.3, 0.1 + 0.2, 0.0, rng.uniform(0, 2), 3e11]))
+            for g in rng.sample(range(-4, 9), rng.randint(1, 6))]
+    high = max(clocks) if clocks else 0.0
+    deadline = rng.choice([math.inf, high, high / 2, min(clocks) - 1.0, min(clocks) + 0.3, 0.0])
+    return clocks, negs, _undominated(opts), deadline
+
+
+def test_dp_complex_stage_equals_the_two_array_stage_to_the_bit(monkeypatch):
+    """_dp_stage_complex (the frontier as one complex array, one stable sort, a pre-check before the
+    near-tie test) makes the labels _dp_stage_numpy makes: the same clocks and utilities to the bit,
+    the same parents and options, the same thinning, on frontiers with equal clocks, utilities equal
+    up to rounding, large magnitudes, signed zeros, infinite clocks and every kind of deadline."""
+    import numpy as np
+
+    import jaxserve.sched.otas as otas_module
+    from jaxserve.sched.otas import _dp_stage_complex, _dp_stage_numpy, _DPStage
+
+    near = {"n": 0}
+    real = otas_module._dp_keep_near_ties
+    monkeypatch.setattr(otas_module, "_dp_keep_near_ties", lambda *a: near.__setitem__("n", near["n"] + 1) or real(*a))
+    rng = random.Random(5)
+    thinned = 0
+    for trial in range(600):
+        clocks, negs, useful, deadline = _random_stage(rng, ("frontier", "any", "infinite")[trial % 3])
+        stage = _DPStage(useful)
+        assert stage.plain and stage.useful == tuple(useful)
+        joint = np.empty(len(clocks), dtype=np.complex128)
+        joint.real, joint.imag = clocks, negs
+        for max_labels in (2, 7, 128):
+            got, link, got_thinned = _dp_stage_complex(joint.copy(), stage, deadline, max_labels)
+            want_c, want_n, want_link, want_thinned = _dp_stage_numpy(clocks, negs, useful, deadline, max_labels)
+            assert [x.hex() for x in got.real.tolist()] == [x.hex() for x in want_c.tolist()]
+            assert [x.hex() for x in got.imag.tolist()] == [x.hex() for x in want_n.tolist()]
+            assert link[0] == want_link[0] == "np" and link[2:] == want_link[2:]
+            assert link[1].tolist() == want_link[1].tolist()
+            assert got_thinned == want_thinned
+            thinned += got_thinned
+    assert near["n"] > 20 and thinned > 100  # the near-tie test and the thinning really ran
+
+
+def _old_rule_token_dp(deadlines, options, start, max_labels=128):
+    """solve_token_dp before the complex stage: lists below 160 candidates, two arrays from there."""
+    import numpy as np
+
+    from jaxserve.sched.otas import DPSolution, _dp_parent, _dp_stage_numpy, _dp_stage_python, _undominated
+
+    clocks, negs, links, truncated, widest = [start], [-0.0], [], False, 1
+    for deadline, opts in zip(deadlines, options):
+        useful = _undominated(opts)
+        if len(clocks) * (len(useful) + 1) >= 160:
+            clocks, negs, link, thinned = _dp_stage_numpy(clocks, negs, useful, deadline, max_labels)
+        else:
+            if isinstance(clocks, np.ndarray):
+                clocks, negs = clocks.tolist(), negs.tolist()
+            clocks, negs, link, thinned = _dp_stage_python(clocks, negs, useful, deadline, max_labels)
+        truncated, widest = truncated or thinned, max(widest, len(clocks))
+        links.append(link)
+    best = len(clocks) - 1
+    gammas, index = [], best
+    for b in range(len(deadlines) - 1, -1, -1):
+        index, k = _dp_parent(links[b], index)
+        gammas.append(None if k < 0 else options[b][k].gamma)
+    return DPSolution(tuple(reversed(gammas)), -float(negs[best]), float(clocks[best]), widest, truncated)
+
+
+def test_dp_once_a_nan_may_arise_runs_each_stage_where_it_always_did(monkeypatch):
+    """A NaN among the options (or an infinite one, whence inf - inf) may sort differently in the
+    complex stage, so from that batch on solve_token_dp runs every stage where it ran before the
+    complex stage existed; before it, the complex stage (the same labels)."""
+    import jaxserve.sched.otas as otas_module
+
+    used = {"complex": 0, "two": 0}
+    for name, key in (("_dp_stage_complex", "complex"), ("_dp_stage_numpy", "two")):
+        real = getattr(otas_module, name)
+        monkeypatch.setattr(otas_module, name, lambda *a, _real=real, _key=key: used.__setitem__(_key, used[_key] + 1)
+                            or _real(*a))
+    rng = random.Random(3)
+    for trial in range(30):
+        n = rng.randint(20, 40)
+        options = [[GammaOption(g, rng.choice([0.125, 0.25, 0.5]), rng.choice([0.1, 0.2, 0.3]) * rng.randint(1, 3))
+                    for g in rng.sample(range(-4, 9), rng.randint(2, 5))] for _ in range(n)]
+        bad = rng.randrange(n)
+        bad_value = rng.choice([math.nan, math.inf, -math.inf])
+        options[bad][0] = GammaOption(options[bad][0].gamma, options[bad][0].seconds if trial % 2 else bad_value,
+                                      bad_value if trial % 2 else options[bad][0].utility)
+        deadlines = [rng.choice([math.inf, 0.5 * (b + 1)]) for b in range(n)]
+        for start in (0.0, math.nan) if trial < 3 else (0.0,):
+            got = solve_token_dp(deadlines, options, start)
+            want = _old_rule_token_dp(deadlines, options, start)
+            assert got.gammas == want.gammas
+            assert got.utility.hex() == want.utility.hex() and got.finish.hex() == want.finish.hex()
+            assert (got.max_frontier, got.truncated) == (want.max_frontier, want.truncated)
+    assert used["complex"] > 0 and used["two"] > 0
