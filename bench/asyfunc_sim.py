@@ -180,7 +180,13 @@ def run_model(raw: dict, name: str, minutes: int, load_bodies: float, seed: int)
     return out
 
 
-def reading(runs: dict) -> str:
+def halves_pearson(p: dict) -> float:
+    """Pearson of sensitivity against bytes over a profile's attention and MLP halves."""
+    halves = [u for u in p["units"] if u["kind"] in ("attention", "mlp")]
+    return float(np.corrcoef([u["sensitivity"] for u in halves], [u["param_bytes"] for u in halves])[0, 1])
+
+
+def reading(runs: dict, raw: dict) -> str:
     """What the numbers say, from this run's numbers."""
     def mean(name, v, key):
         return float(np.mean(runs[name][v][key]))
@@ -193,27 +199,36 @@ def reading(runs: dict) -> str:
                      f"{mean(name, 'asyfunc', 'cores') - mean(name, 'asyfunc-batch', 'cores'):+.1f} cores and "
                      f"{mean(name, 'asyfunc', 'mem_mb') - mean(name, 'asyfunc-batch', 'mem_mb'):+.0f} MB against BATCH")
     lls = " ".join(
-        f"{name}: {runs[name]['asyfunc']['shadows']} shadows and {runs[name]['asyfunc']['split_batches']} split batches."
+        f"{name}: {runs[name]['asyfunc']['shadows']} shadows and {runs[name]['asyfunc']['split_batches']} split "
+        f"batches ({runs[name]['asyfunc']['split_batches'] / runs[name]['asyfunc']['shadows']:.2f} a shadow)."
         if runs[name]["asyfunc"]["shadows"] else f"{name}: no split raises a body's Eq.-1 rate, no shadow starts."
         for name in runs)
     gain = ", ".join(f"{name} {100 * (runs[name]['asyfunc']['violation_rate'] - runs[name]['asyfunc-nolls']['violation_rate']):+.1f} "
                      "points" for name in runs)
+    corr = "; ".join(f"{name} {p['correlation']['pearson']:+.2f} over all units, {halves_pearson(p):+.2f} over the "
+                     f"halves" for name, p in raw["models"].items() if name in MODELS)
     return (
         "Reading. The paper's savings do not reproduce here (" + "; ".join(parts) + "). (1) AsyFunc⁻ holds "
         "exactly BATCH's cores and memory: with C_max = 2 the configurations are 1 or 2 cores, and Alg. 1's "
         "efficiency picks 2-core bodies in both, so MLS decides the same; AsyFunc⁻'s lower violation rate is "
         "Alg. 3 dispatching at once where BATCH's buffer waits up to SLO - t(2, 4) for a full batch and then "
         "answers late. (2) LLS: a shadow gets C_max / 2 = 1 core, on which a block runs ~1.8x slower than on its "
-        "body's 2, so a body-shadow pair barely outruns the body alone. " + lls + " The queue reaches gamma = 2 "
-        "at nearly any load, so where a split raises a body's Eq.-1 rate shadows are held nearly all the time; "
-        "AsyFunc's violation rate minus AsyFunc⁻'s: " + gain + ". "
+        "body's 2, so a body-shadow pair barely outruns the body alone. " + lls + " A shadow starts whenever "
+        "gamma = 2 requests are left waiting once every idle body took a batch, which at these loads happens "
+        "often; but a paired body runs a batch alone whenever alone it meets the head's deadline "
+        "(Alg. 3's smallest unit first), which it mostly does, so most shadows split few batches or none "
+        "and go after 5 s idle, while they count in the cores and bytes held. AsyFunc's violation rate minus "
+        "AsyFunc⁻'s: " + gain + ". "
         "(3) Violations sit in the periods with a burst or the steepest diurnal rise (20-50% there, ~0 "
         "elsewhere): a one-period-late mean with alpha's 25% headroom cannot follow a 2x burst, and a new body "
-        "takes ~4 s. (4) Sensitivity against memory: for the text encoders Pearson is negative only through the "
-        "embedding table (most bytes, no growth with the batch); over the layers' attention and MLP halves it "
-        "is positive (an MLP holds twice the attention's bytes and grows more), so the anti-correlation that "
-        "makes shadows cheap is not there, as the paper found for transformers. The demo ViT's units (0.3 MB, "
-        "growth under 0.2 ms) are at the measurement's noise floor.")
+        "takes ~4 s. (4) Sensitivity against memory (Pearson: " + corr + "): for the text encoders it is "
+        "negative only through the embedding table (most bytes, no growth with the batch); over the layers' "
+        "attention and MLP halves it is positive (an MLP holds twice the attention's bytes and grows more), and "
+        "for DINOv2, whose patch embedding is small, it is positive over everything. So the anti-correlation "
+        "that makes shadows cheap is not there, as the paper found for transformers; the extractor's blocks "
+        "(sensitivity per byte, module docstring of jaxserve/layer_profile.py) leave out the embedding table, "
+        "and the shadow's memory is what its layers weigh. The demo ViT's units (0.3 MB, growth under 0.2 ms) "
+        "are at the measurement's noise floor.")
 
 
 def main() -> None:
@@ -239,8 +254,7 @@ def main() -> None:
         p = raw["models"][name]
         c = p["correlation"]
         kept = [(b["start"], b["stop"]) for b in p["blocks"] if b["kept"]]
-        halves = [u for u in p["units"] if u["kind"] in ("attention", "mlp")]
-        layers_r = np.corrcoef([u["sensitivity"] for u in halves], [u["param_bytes"] for u in halves])[0, 1]
+        layers_r = halves_pearson(p)
         rows.append([name, f"{p['param_bytes'] / 1e6:.1f}", c["units"], f"{c['pearson']:+.2f}", f"{c['spearman']:+.2f}",
                      f"{layers_r:+.2f}",
                      str(kept), ", ".join(f"[{s['start']}:{s['stop']}) {s['bytes'] / p['param_bytes']:.0%}"
@@ -279,7 +293,7 @@ def main() -> None:
                 + f"**Simulated 30-node cluster** ({args.minutes} one-minute periods, one compressed day; {setup}). "
                   f"Means over the periods; plots `bench/plots/asyfunc_cpu.png`, `asyfunc_memory.png`, "
                   f"`asyfunc_slo.png`:\n\n{sim}\n\n{PAPER}.")
-        notes = reading(runs) + (
+        notes = reading(runs, raw) + (
             "\n\nLatencies are process CPU time per call divided by the cores (jaxserve/layer_profile.py: the 2 "
             "shared cores ran at load averages of 10-15 while this was measured, which made wall times "
             "meaningless). The trace, cluster and knobs are in the script's docstring.")
