@@ -113,6 +113,7 @@ async def replay(url: str, workload, images: dict, labels_of: dict, timeout_s: f
     n = len(trace)
     rec = {"outcome": ["rejected"] * n, "type": np.full(n, 4), "gamma": np.full(n, -99), "right": np.zeros(n, bool),
            "latency": np.full(n, np.nan), "finish": np.full(n, np.nan), "server_ms": np.full(n, np.nan),
+           "sent": np.full(n, np.nan),  # seconds from the start at which the request left the client
            "computed": []}  # computed: (shape, compute ms, ms its instance was held) per answer that ran
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
@@ -128,6 +129,7 @@ async def replay(url: str, workload, images: dict, labels_of: dict, timeout_s: f
             body = {"model": model, "task": task, "inputs": [encoded[k]], "slo_ms": float(trace.slo_s[i]) * 1e3,
                     "utility": float(trace.utility[i])}
             t0 = time.perf_counter()
+            rec["sent"][i] = t0 - t_start
             try:
                 r = await client.post("/v1/classify/image", json=body)
             except httpx.HTTPError:

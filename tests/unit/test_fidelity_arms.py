@@ -83,3 +83,17 @@ def test_live_prices_correct_each_cell_by_its_own_ratio_once_it_has_eight_steps(
         mean += max(0.05, 1 / n) * (np.log(r) - mean)
     assert abs(prices.latency(Cell(4, 64)) - 0.030 * np.exp(mean)) < 1e-12
     assert 2.0 < np.exp(mean) < 3.0
+
+
+def test_as_sent_moves_each_request_to_when_it_left_the_client_with_its_own_fields():
+    from bench.fidelity import as_sent
+    from jaxserve.traces import make_trace
+
+    trace = make_trace([0.0, 0.1, 0.2, 0.3], model="m", task=["a", "b", "c", "d"], length=[5, 6, 7, 8],
+                       slo_s=[1.0, 2.0, 3.0, 4.0], utility=[1.0, 0.2, 1.0, 0.2])
+    # the second request left late, after the third; the fourth was never sent; a negative lag is clock noise
+    moved = as_sent(trace, np.array([-0.001, 0.15, 0.0, np.nan]))
+    np.testing.assert_allclose(moved.arrival, [0.0, 0.2, 0.25, 0.3])
+    assert list(moved.task) == ["a", "c", "b", "d"] and list(moved.length) == [5, 7, 6, 8]
+    np.testing.assert_allclose(moved.slo_s, [1.0, 3.0, 2.0, 4.0])
+    np.testing.assert_allclose(moved.utility, [1.0, 1.0, 0.2, 0.2])
