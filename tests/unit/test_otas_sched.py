@@ -857,6 +857,17 @@ def _reference_token_dp(deadlines, options, start, max_labels=128):
     return DPSolution(tuple(reversed(gammas)), stages[-1][best][0], stages[-1][best][1], widest, truncated)
 
 
+def count_calls(monkeypatch, module, keys: dict) -> dict:
+    """Wrap each function ``name`` of ``module`` (``keys``: name -> counter key) so that its calls
+    are counted in the returned dict, and still made."""
+    used = {key: 0 for key in keys.values()}
+    for name, key in keys.items():
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _key=key: used.__setitem__(_key, used[_key] + 1)
+                            or _real(*a))
+    return used
+
+
 def test_dp_equals_its_plain_transcription_to_the_bit(monkeypatch):
     """solve_token_dp (numpy for large stages, lists for small ones) returns exactly what the plain
     loop returns: the same gammas, utility and finish to the last bit, frontier width and truncation,
@@ -864,11 +875,8 @@ def test_dp_equals_its_plain_transcription_to_the_bit(monkeypatch):
     up to rounding (sums of 0.1, 0.2, 0.3 in different orders), and thinned frontiers."""
     import jaxserve.sched.otas as otas_module
 
-    used = {"numpy": 0, "near": 0, "python": 0}
-    for name, key in (("_dp_stage_complex", "numpy"), ("_dp_keep_near_ties", "near"), ("_dp_stage_python", "python")):
-        real = getattr(otas_module, name)
-        monkeypatch.setattr(otas_module, name, lambda *a, _real=real, _key=key: used.__setitem__(_key, used[_key] + 1)
-                            or _real(*a))
+    used = count_calls(monkeypatch, otas_module, {"_dp_stage_complex": "numpy", "_dp_keep_near_ties": "near",
+                                                   "_dp_stage_python": "python"})
     rng = random.Random(11)
     for trial in range(60):
         n = rng.randint(1, 40)
@@ -980,11 +988,7 @@ def test_dp_once_a_nan_may_arise_runs_each_stage_where_it_always_did(monkeypatch
     complex stage existed; before it, the complex stage (the same labels)."""
     import jaxserve.sched.otas as otas_module
 
-    used = {"complex": 0, "two": 0}
-    for name, key in (("_dp_stage_complex", "complex"), ("_dp_stage_numpy", "two")):
-        real = getattr(otas_module, name)
-        monkeypatch.setattr(otas_module, name, lambda *a, _real=real, _key=key: used.__setitem__(_key, used[_key] + 1)
-                            or _real(*a))
+    used = count_calls(monkeypatch, otas_module, {"_dp_stage_complex": "complex", "_dp_stage_numpy": "two"})
     rng = random.Random(3)
     for trial in range(30):
         n = rng.randint(20, 40)
