@@ -364,8 +364,10 @@ def _fidelity(f):
     m = f.rx(r"(\d+)/(\d+) cells; worst cell (\S+) at (\d+%): ([^*]+?)\.\*\*")
     idle = [max(abs(float(x.strip().rstrip("%"))) for x in r["sim vs live: idle-machine profile"].split("/"))
             for r in rows]
+    lags = [float(r["send lag mean / p98 ms"].split("/")[1]) for r in rows if "send lag mean / p98 ms" in r]
+    sent = (f" at the times the client sent them (send lag p98 ≤ {max(lags):.1f} ms)" if lags else "")
     return (f"{m.group(1)} of {m.group(2)} cells within 10% with batch times replayed from each cell's "
-            f"calibration trace; worst {m.group(3)} at {m.group(4)}: {m.group(5)}; the bare idle-machine profile is "
+            f"calibration trace{sent}; worst {m.group(3)} at {m.group(4)}: {m.group(5)}; the bare idle-machine profile is "
             f"{min(idle):.0f}–{max(idle):.0f}% off (worse of mean and p98, per cell)")
 
 
