@@ -84,7 +84,8 @@ def pipeline_stages(model: str, num_layers: int, count: int,
 # A profile's per-layer costs cut the pipeline only where they move the bottleneck by more than
 # this: the layer profile's repeats on this machine differ by about this much between identical
 # BERT layers (bench/profiles/asyfunc-live.layers.json: MiniLM's six layers 20.3-22.1 ms at batch 8
-# on 1 core, 11.6-14.8 ms on 2), so a smaller difference is noise, not a slower layer.
+# on 1 core and 11.6-14.8 ms on 2 in its 11-26 profile, 20.5-29.6 ms and 11.3-14.0 ms in its 11-27
+# one), so a smaller difference is noise, not a slower layer.
 CUT_TOLERANCE = 0.1
 
 
