@@ -51,8 +51,9 @@ Decisions the paper leaves open, or where we differ (each is a knob or a line be
 * **LLS trigger.** "The waiting queue reaches gamma": the queue is looked at after Alg. 3 has
   given every idle unit its batch, so requests an idle body takes at once never count as
   waiting. Looked at before dispatch, two requests arriving together at an idle body started a
-  shadow, at any load, that then had nothing to do (the simulated cluster of 11-27 started 936
-  shadows for DINOv2 and split 32 batches).
+  shadow, at any load, that then had nothing to do. (On the simulated cluster of bench/asyfunc_sim
+  it changed little: its bodies are busy at those loads, so requests are left waiting anyway, and
+  most shadows still go unused under smallest-first dispatch.)
 * **LLS pairing.** Bodies are paired "earliest idle first" (the paper's text; its Alg. 2 says
   descending). A shadow is placed on its body's node only (Alg. 2 line 4): ``c = min(c_a,
   c_max // 2)`` cores when ``c_a ≥ max(1, c_max / 4)``. Live shadows are capped at ``kappa``.
