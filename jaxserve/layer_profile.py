@@ -28,13 +28,17 @@ the call itself ran. At 1 core that is the latency; at 2 it assumes the call kee
 (an optimistic bound where it does not).
 
 **Blocks** (the extractor): adjacent layers whose sensitivity is within ``tolerance`` of the
-block's mean are grouped (a layer is its attention plus its MLP). Our engine cuts layer ranges,
+block's mean are grouped (a layer is its attention plus its MLP), up to ``max_block_share`` of
+the model's bytes a block: a transformer's layers are alike, and without a cap they made one
+block of nearly the whole model (DINOv2's ten middle layers: above ``max_share``, dropped, so no
+shadow at all), where a shadow should have sizes to choose from. Our engine cuts layer ranges,
 and a range starting at layer 0 holds the embeddings (the one ending at L the pooler/head): a
 block is charged those units' bytes, load time and sensitivity. A shadow should hold what grows
 most with the batch **per byte it loads** (the paper's "most resource-sensitive but
 memory-efficient layers"), so the extractor works on a block's density, sensitivity per byte:
-an edge layer is cut off a block of several layers when the rest is denser (MiniLM-L6's layer 0
-carries a 47.7 MB embedding table that barely grows with the batch), and blocks of less than
+an edge layer is cut off a block of several layers when its own density is below ``1 -
+tolerance`` of the rest's (MiniLM-L6's layer 0 carries a 47.7 MB embedding table that barely
+grows with the batch: a tenth of the other layers' density), and blocks of less than
 ``min_share`` of the largest sensitivity, of more than ``max_share`` of the model's bytes, or of
 less than ``min_density_share`` of the densest block's density, are dropped. The paper's "very
 large memory consumption" has no threshold; ours is relative to what a block buys, since a
