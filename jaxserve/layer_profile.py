@@ -38,7 +38,7 @@ most with the batch **per byte it loads** (the paper's "most resource-sensitive 
 memory-efficient layers"), so the extractor works on a block's density, sensitivity per byte:
 an edge layer is cut off a block of several layers when its own density is below ``1 -
 tolerance`` of the rest's (MiniLM-L6's layer 0 carries a 47.7 MB embedding table that barely
-grows with the batch: a tenth of the other layers' density), and blocks of less than
+grows with the batch: a sixth of the other layers' density or less in our profiles), and blocks of less than
 ``min_share`` of the largest sensitivity, of more than ``max_share`` of the model's bytes, or of
 less than ``min_density_share`` of the densest block's density, are dropped. The paper's "very
 large memory consumption" has no threshold; ours is relative to what a block buys, since a
