@@ -345,10 +345,9 @@ def group_blocks(units: list[Unit], num_layers: int, edge_bytes: tuple[int, int]
     edges = {e: [u for u in units if u.layer == e] for e in (-1, num_layers)}
 
     def block(start, stop):
-        held = range(start, stop)
-        nbytes = sum(per_layer[k][1] for k in held)
-        load = sum(per_layer[k][2] for k in held)
-        sens = sum(per_layer[k][0] for k in held)
+        nbytes = sum(per_layer[k][1] for k in range(start, stop))
+        load = sum(per_layer[k][2] for k in range(start, stop))
+        sens = sum(per_layer[k][0] for k in range(start, stop))
         for edge, inside, nb in ((-1, start == 0, edge_bytes[0]), (num_layers, stop == num_layers, edge_bytes[1])):
             if inside:
                 nbytes += nb
@@ -369,25 +368,26 @@ def group_blocks(units: list[Unit], num_layers: int, edge_bytes: tuple[int, int]
     def density(b):
         return b["sensitivity"] / max(b["bytes"], 1)
 
-    def cut_edge(b, start, stop, edge_range, inner_range, what):
+    def cut_edge(b, first: bool, what: str):
+        """(``b`` without its first or last layer, that layer as a dropped block) where the
+        layer is less dense than the rest (docstring), else (``b``, None)."""
+        start, stop = b["start"], b["stop"]
         if stop - start < 2:
             return b, None
-        inner = block(*inner_range)
-        if density(block(*edge_range)) < (1 - tolerance) * density(inner) or b["bytes"] > max_share * total:
-            return inner, {**block(*edge_range), "kept": False, "why": f"{what}: less sensitivity per byte"}
+        edge = block(start, start + 1) if first else block(stop - 1, stop)
+        inner = block(start + 1, stop) if first else block(start, stop - 1)
+        if density(edge) < (1 - tolerance) * density(inner) or b["bytes"] > max_share * total:
+            return inner, {**edge, "kept": False, "why": f"{what}: less sensitivity per byte"}
         return b, None
 
     blocks = []
     for g in groups:
-        start, stop = g[0], g[-1] + 1
-        b = block(start, stop)
+        b = block(g[0], g[-1] + 1)
         head = tail = None
-        if start == 0:
-            b, head = cut_edge(b, 0, stop, (0, 1), (1, stop), "layer 0 holds the embeddings")
-            start = b["start"]
-        if stop == num_layers and edge_bytes[1] > 0:
-            b, tail = cut_edge(b, start, stop, (stop - 1, stop), (start, stop - 1),
-                               f"layer {stop - 1} holds the pooler/head")
+        if b["start"] == 0:
+            b, head = cut_edge(b, True, "layer 0 holds the embeddings")
+        if b["stop"] == num_layers and edge_bytes[1] > 0:
+            b, tail = cut_edge(b, False, f"layer {num_layers - 1} holds the pooler/head")
         blocks += [x for x in (head, b, tail) if x is not None]
     top = max(b["sensitivity"] for b in blocks)
     densest = max(density(b) for b in blocks if "kept" not in b)
