@@ -117,11 +117,12 @@ def main():
     rows, ratios = [], {k: [] for k in peers}
     warm = {"ours": 0.0} | {k: 0.0 for k in peers if k != "eager"}
     tmp = Path(tempfile.mkdtemp())
-    models, done = args.models.split(","), []
+    models = args.models.split(",")
+    n_cells = len(models) * len(batches) * len(lengths)
 
-    def report(done: list[str]) -> None:
-        """Print and (``--out``) write the section for the models measured so far: a run cut
-        short by a GPU host's time limit still leaves its finished models."""
+    def report(show: bool) -> None:
+        """(``--out``) write, and with ``show`` print, the section for the cells measured so far:
+        written after every cell, so a run cut short by a GPU host's time limit still leaves them."""
         geo = {k: float(np.exp(np.mean(np.log(v)))) for k, v in ratios.items()}
         text = table(["model", "B", "S", "ours ms", *(f"{titles[k]} ms" for k in peers),
                       *(f"ours vs {titles[k]}" for k in peers),
@@ -139,10 +140,11 @@ def main():
                  f"same on both sides; the last row of every batch half padding; torch {torch.__version__}, "
                  f"transformers eager = attn_implementation 'sdpa'. Per call of a back-to-back stream of calls, "
                  f"median of {args.rounds} interleaved rounds; ratios are medians of same-round ratios."
-                 + ("" if len(done) == len(models) else
-                    f"  \n**Partial:** {', '.join(done)} of {', '.join(models)} measured (the run stopped)."))
-        print(text)
-        print(notes)
+                 + ("" if len(rows) == n_cells else
+                    f"  \n**Partial:** {len(rows)} of {n_cells} cells ({', '.join(models)}) measured (the run stopped)."))
+        if show:
+            print(text)
+            print(notes)
         if args.out:
             from bench.common import section
 
@@ -196,8 +198,7 @@ def main():
                              *(f"{row_ratios[k]:.2f}×" for k in peers),
                              " / ".join(f"{tf / med[k]:.1f}" for k in ["ours", *peers]), f"{diff:.1e}"])
                 print(" | ".join(str(c) for c in rows[-1]), flush=True)
-        done.append(name)
-        report(done)
+                report(show=len(rows) == n_cells)
 
 
 if __name__ == "__main__":
