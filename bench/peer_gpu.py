@@ -26,6 +26,7 @@ MEASURES = (
 )
 GPU_SECTIONS = {
     "peer_gpu": "--models minilm-l6,bert-base --cudagraphs --rounds 5 --out FILE",
+    "peer_gpu_bert": "--models bert-base --cudagraphs --rounds 3 --key peer_gpu_bert --out FILE",
     "peer_gpu_tf32": "--models minilm-l6,bert-base --cudagraphs --rounds 3 --precision default --key peer_gpu_tf32 --out FILE",
 }  # measured on a GPU host; never run by bench.all
 
