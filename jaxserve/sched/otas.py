@@ -1529,7 +1529,8 @@ def make_otas_policy(name: str, runtimes: Mapping, cost: CostModel, options: Opt
     tasks) at every gamma the policy may pick (all the grid's for ``otas``), else ValueError.
     ``options``: ``batching`` / ``otas`` (dicts of :class:`BatchingParams` /
     :class:`OTASParams` fields), ``tome_gamma`` (default: the grid's most negative gamma),
-    ``vpt_gamma`` (default 2), ``record_limit`` (default 100 000); a given gamma must be one of
+    ``vpt_gamma`` (default 2, or the grid's smallest gamma > 0 where 2 is not one of them, e.g.
+    DINOv2's +4; a grid without prompts refuses ``vpt``), ``record_limit`` (default 100 000); a given gamma must be one of
     the grid's. The INFaaS baseline needs several model variants and runs in the simulator
     only (bench/otas_utility.py).
     """
@@ -1557,7 +1558,11 @@ def make_otas_policy(name: str, runtimes: Mapping, cost: CostModel, options: Opt
         gamma = _grid_gamma(options, "tome_gamma", min(grid.gammas), grid)
         policy = FixedToMePolicy(model, latency, accuracy, grid, gamma=gamma, batching=batching)
     else:
-        policy = FixedVPTPolicy(model, latency, accuracy, grid, gamma=_grid_gamma(options, "vpt_gamma", 2, grid),
+        prompted = [g for g in grid.gammas if g > 0]
+        if not prompted:
+            raise ValueError(f"--policy vpt needs a gamma > 0 (trained prompts) in the grid {grid.gammas}")
+        default = 2 if 2 in prompted else min(prompted)
+        policy = FixedVPTPolicy(model, latency, accuracy, grid, gamma=_grid_gamma(options, "vpt_gamma", default, grid),
                                 batching=batching)
     check_coverage(policy, accuracy, getattr(rt, "heads", None) or ())
     policy.accuracy_source = "cost model" if model in cost.accuracy else "repository"

@@ -598,6 +598,20 @@ def test_make_otas_policy_takes_explicit_gammas_literally():
         make_otas_policy("vpt", rt, cost, {"vpt_gamma": 4})
 
 
+def test_vpt_default_is_the_grids_smallest_prompt_count_where_2_is_not_served():
+    """DINOv2's grid has prompts at +4 only: `serve --policy vpt` without --vpt-gamma runs +4, not a
+    +2 the grid lacks; a grid without any gamma > 0 (no trained prompts) refuses vpt by name."""
+    from jaxserve.sched.base import CostModel
+    from jaxserve.sched.otas import make_otas_policy
+
+    cost = CostModel(latency={"vit": LAT})
+    no_two = ShapeGrid(batch_sizes=(1, 4, 8), gammas=(-10, -5, 0, 8))
+    assert make_otas_policy("vpt", {"vit": _Runtime(ACCP, grid=no_two)}, cost).gamma == 8
+    unprompted = ShapeGrid(batch_sizes=(1, 4, 8), gammas=(-10, -5, 0))
+    with pytest.raises(ValueError, match=r"--policy vpt needs a gamma > 0"):
+        make_otas_policy("vpt", {"vit": _Runtime(ACCP, grid=unprompted)}, cost)
+
+
 def test_otas_family_are_policies_and_describe_what_they_served():
     from jaxserve.sched.base import Policy, StepSummary
 
