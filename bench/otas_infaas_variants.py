@@ -292,13 +292,53 @@ def dinov2_correct(rt, heldout: dict, gamma: int = 0) -> dict:
     return out
 
 
+def dinov2_gamma_correct(cache, heldout: dict, log=print) -> dict:
+    """{task: {str(gamma): [bool per held-out image]}}: the whole DINOv2's answers at each of its
+    OTAS gammas (prompts included), through the serving executables at its largest batch."""
+    from jaxserve.registry import OTAS_GAMMAS, load_image_runtime
+    from jaxserve.sched.base import ShapeGrid
+
+    gammas = OTAS_GAMMAS[DINOV2]
+    log(f"{DINOV2}: per-image correctness at gammas {gammas} (batch {max(DINOV2_BATCHES)})")
+    rt = load_image_runtime(DINOV2, cache, ShapeGrid((max(DINOV2_BATCHES),), gammas=gammas))
+    out = {t: {} for t in heldout}
+    for g in gammas:
+        for t, c in dinov2_correct(rt, heldout, g).items():
+            out[t][str(g)] = c.tolist()
+    return out
+
+
+def refresh_gamma_correct(cache_dir: str, out: Path, log=print) -> None:
+    """``--gamma-correct-only``: rewrite only the ``gamma_correct`` block of an existing variants
+    file ``out`` for today's OTAS gammas and prompt repository (new prompts change the whole
+    model's answers at gamma > 0, not the truncated variants' measurements, which are kept); the
+    file records when (``gamma_correct_refreshed``). Refuses when gamma 0's answers disagree with the
+    file's whole-model variant: then the backbone or its probes changed and everything must be rebuilt."""
+    from datetime import datetime, timezone
+
+    from jaxserve.compile_cache import CompileCache
+    from jaxserve.datasets import DINOV2_TASKS, dinov2_task_split
+
+    raw = json.loads(out.read_text())
+    heldout = {t: dinov2_task_split(t, "heldout", 224) for t in DINOV2_TASKS}
+    gamma_correct = dinov2_gamma_correct(CompileCache(cache_dir), heldout, log)
+    whole = next(v for v in raw["variants"] if v["name"] == DINOV2)
+    for t in DINOV2_TASKS:
+        if gamma_correct[t]["0"] != whole["correct"][t]:
+            raise SystemExit(f"{t}: gamma 0's answers differ from {out}'s {DINOV2} variant: the probes or the "
+                             "backbone changed; rebuild the whole file (without --gamma-correct-only)")
+    raw["gamma_correct"] = gamma_correct
+    raw["gamma_correct_refreshed"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    out.write_text(json.dumps(raw) + "\n")
+    log(f"gamma_correct refreshed for gammas {sorted(int(g) for g in gamma_correct[DINOV2_TASKS[0]])} -> {out}")
+
+
 def build_dinov2(depths, cache_dir: str, rounds: int, loads: int, out: Path, log=print) -> None:
     """The module docstring's ``--model dinov2-s14`` run: every step, then the JSON at ``out``."""
     import jax
 
     from jaxserve.compile_cache import CompileCache
     from jaxserve.datasets import DINOV2_TASKS, dinov2_task_split
-    from jaxserve.registry import OTAS_GAMMAS, load_image_runtime
     from jaxserve.sched.base import ShapeGrid
 
     cache = CompileCache(cache_dir)
@@ -332,13 +372,7 @@ def build_dinov2(depths, cache_dir: str, rounds: int, loads: int, out: Path, log
     log("latency: round-robin across variants")
     latency = time_together(runtimes, rounds)
     del runtimes
-    gammas = OTAS_GAMMAS[DINOV2]
-    log(f"{DINOV2}: per-image correctness at gammas {gammas} (batch {max(DINOV2_BATCHES)})")
-    rt = load_image_runtime(DINOV2, cache, ShapeGrid((max(DINOV2_BATCHES),), gammas=gammas))
-    gamma_correct = {t: {} for t in DINOV2_TASKS}
-    for g in gammas:
-        for t, c in dinov2_correct(rt, heldout, g).items():
-            gamma_correct[t][str(g)] = c.tolist()
+    gamma_correct = dinov2_gamma_correct(cache, heldout, log)
     for t in DINOV2_TASKS:  # the same executable at gamma 0 (another grid, same cache entry): the same answers
         if gamma_correct[t]["0"] != infos[DINOV2]["correct"][t]:
             log(f"WARNING: {t}: gamma-0 correctness differs between the batch-{max(DINOV2_BATCHES)} runs")
@@ -366,7 +400,14 @@ def main() -> None:
     p.add_argument("--loads", type=int, default=3, help="timed loads per variant (median kept)")
     p.add_argument("--cache-dir", default="compiled_cache")
     p.add_argument("--out", default=None)
+    p.add_argument("--gamma-correct-only", action="store_true",
+                   help=f"{DINOV2}: refresh only the per-gamma correctness of an existing file (after new prompts)")
     args = p.parse_args()
+    if args.gamma_correct_only:
+        if args.model != DINOV2:
+            raise SystemExit(f"--gamma-correct-only: only for --model {DINOV2}")
+        refresh_gamma_correct(args.cache_dir, Path(args.out or DINOV2_OUT))
+        return
     if args.model == DINOV2:
         build_dinov2([int(d) for d in args.depths.split(",")], args.cache_dir, args.rounds or 15, args.loads,
                      Path(args.out or DINOV2_OUT))
