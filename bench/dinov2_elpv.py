@@ -62,9 +62,13 @@ class Result:
     def accuracy(self, gamma: int) -> float:
         return float(np.mean(self.predictions[gamma] == self.held_labels))
 
-    def changed(self, gamma: int) -> int:
-        """Held-out images whose prediction at ``gamma`` differs from gamma 0's."""
-        return int(np.sum(self.predictions[gamma] != self.predictions[0]))
+    def changed(self, gamma: int) -> tuple[int, int, int]:
+        """Held-out images whose prediction at ``gamma`` differs from gamma 0's: (all of them, those right
+        at gamma 0 and wrong at ``gamma``, those wrong at gamma 0 and right at ``gamma``)."""
+        right0 = self.predictions[0] == self.held_labels
+        right = self.predictions[gamma] == self.held_labels
+        return (int(np.sum(self.predictions[gamma] != self.predictions[0])), int(np.sum(right0 & ~right)),
+                int(np.sum(~right0 & right)))
 
     def majority(self) -> tuple[str, float]:
         """The held-out subset's most frequent class (the first on a tie) and the accuracy of always answering it."""
@@ -101,7 +105,8 @@ def report(r: Result, gammas) -> tuple[str, str]:
     body = table([""] + [f"gamma {g:+d}" for g in gammas], [
         ["elpv: held-out accuracy"] + [f"{r.accuracy(g):.3f}" for g in gammas],
         ["elpv: lost vs gamma 0"] + [f"{r.accuracy(g) - r.accuracy(0):+.3f}" for g in gammas],
-        ["held-out predictions changed vs gamma 0"] + [f"{r.changed(g)} / {n}" for g in gammas],
+        ["held-out predictions changed vs gamma 0 (newly wrong / newly right)"]
+        + ["{} / {} ({} / {})".format(r.changed(g)[0], n, *r.changed(g)[1:]) for g in gammas],
         [f"majority class ({majority_label}), reference"] + [f"{majority_acc:.3f}" for _ in gammas],
     ])
     confusion = np.zeros((len(r.labels), len(r.labels)), np.int64)
@@ -129,28 +134,44 @@ def reading(r: Result, gammas) -> str:
     acc0 = r.accuracy(0)
     se = (acc0 * (1 - acc0) / n) ** 0.5
     majority_label, majority_acc = r.majority()
+    merging = [g for g in gammas if g < 0]
     deepest = min(gammas)
     lost = {g: r.accuracy(g) - acc0 for g in gammas}
-    worst = min(gammas, key=lambda g: lost[g])
-    learned = ("well above" if acc0 - majority_acc > 2 * se else "not clearly above")
-    verdict = ("so the frozen DINOv2 features carry defect information" if learned == "well above"
-               else "so this probe shows no clear defect information in the frozen features")
-    within = [g for g in gammas if g < 0 and abs(lost[g]) <= 2 * se]
-    served = ", ".join(f"{t} {v:+.3f}" for t, v in SERVED_TASKS_LOST_AT_DEEPEST.items())
+    worst = min(merging, key=lambda g: lost[g])
+    learned = acc0 - majority_acc > 2 * se
     text = (f"Reading: with {n} held-out images one image is {1 / n:.4f} and the standard error of an accuracy near "
-            f"{acc0:.2f} is ~{se:.3f}. The probe reaches {acc0:.3f} at gamma 0, {learned} the {majority_acc:.3f} of "
-            f"always answering the majority class ({majority_label}; the held-out subset is stratified, so every class "
-            f"ties), {verdict}. ")
-    if len(within) == sum(g < 0 for g in gammas):
-        text += (f"Every merging gamma stays within two standard errors of gamma 0 (the largest change "
-                 f"{lost[worst]:+.3f}, at gamma {worst:+d}); ")
+            f"{acc0:.2f} is ~{se:.3f}. The probe reaches {acc0:.3f} at gamma 0 against {majority_acc:.3f} for always "
+            f"answering the majority class ({majority_label}; the held-out subset is stratified, so every class ties): "
+            + ("it learned something, more than two standard errors above the reference line"
+               if learned else "not clearly above the reference line")
+            + (f"; its training accuracy is {r.train_accuracy:.3f}, so on {len(r.train_labels)} training images "
+               "the head on 384 features overfits" if r.train_accuracy - acc0 > 0.2 else "")
+            + ". ")
+    noisy = [g for g in merging if abs(lost[g]) > 2 * se]
+    if not noisy:
+        text += (f"Merging loses nothing measurable: every gamma < 0 is within two standard errors of gamma 0 (the "
+                 f"largest loss {lost[worst]:+.3f}, at gamma {worst:+d}; {lost[deepest]:+.3f} at the deepest, "
+                 f"{deepest:+d}), ")
     else:
-        text += (f"Merging costs more than two standard errors at gamma "
-                 f"{', '.join(f'{g:+d}' for g in gammas if g < 0 and g not in within)} (largest loss {lost[worst]:+.3f} "
-                 f"at gamma {worst:+d}); ")
-    text += (f"at the deepest gamma ({deepest:+d}) it is {lost[deepest]:+.3f}, with {r.changed(deepest)} of {n} "
-             f"held-out predictions changed, against {served} on the served tasks at the same gamma "
-             "(otas-accuracy-dinov2-s14, 200 held-out images each). ")
+        text += (f"Merging loses more than two standard errors at gamma {', '.join(f'{g:+d}' for g in noisy)} "
+                 f"(largest loss {lost[worst]:+.3f} at gamma {worst:+d}; {lost[deepest]:+.3f} at the deepest, "
+                 f"{deepest:+d}), ")
+    served = " and ".join(f"{t} {v:+.3f}" for t, v in SERVED_TASKS_LOST_AT_DEEPEST.items())
+    text += (f"where the served tasks lose {served} at {deepest:+d} (otas-accuracy-dinov2-s14, 200 held-out images "
+             "each). ")
+    changed, wrong, right = r.changed(deepest)
+    if changed > 0.1 * n:
+        mild = max((g for g in merging if r.changed(g)[0] <= 0.1 * n), default=None)
+        text += (("The flat accuracy hides churn" if not noisy else "The predictions churn") + f": at {deepest:+d} "
+                 f"merging changes {changed} of {n} held-out predictions ({wrong} newly wrong, {right} newly right)"
+                 + (f", and only from {mild:+d} up does it change at most a tenth of them" if mild is not None
+                    else ", and every merging gamma changes more than a tenth of them") + ". ")
+        if min(wrong, right) >= changed / 4:
+            text += ("The probe's answers sit close to its decision boundaries on this task, so merging moves them "
+                     "both ways rather than costing accuracy in one direction; a larger training set would be "
+                     "needed to say more. ")
+    else:
+        text += f"Merging changes few predictions: {changed} of {n} at {deepest:+d} ({wrong} newly wrong, {right} newly right). "
     per_class = {label: float(np.mean(r.predictions[0][r.held_labels == i] == i)) for i, label in enumerate(r.labels)}
     best, worst_class = max(per_class, key=per_class.get), min(per_class, key=per_class.get)
     text += (f"Per class at gamma 0 (confusion table) the probe does best on {best} ({per_class[best]:.2f}) and "
