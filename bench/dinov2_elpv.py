@@ -166,10 +166,14 @@ def reading(r: Result, gammas) -> str:
                  f"merging changes {changed} of {n} held-out predictions ({wrong} newly wrong, {right} newly right)"
                  + (f", and only from {mild:+d} up does it change at most a tenth of them" if mild is not None
                     else ", and every merging gamma changes more than a tenth of them") + ". ")
-        if min(wrong, right) >= changed / 4:
-            text += ("The probe's answers sit close to its decision boundaries on this task, so merging moves them "
-                     "both ways rather than costing accuracy in one direction; a larger training set would be "
-                     "needed to say more. ")
+        others = [g for g in merging if g != deepest]
+        pairs = ", ".join("{}/{}".format(*r.changed(g)[1:]) for g in others)
+        text += ("The probe's answers sit close to its decision boundaries on this task"
+                 + (f": at {deepest:+d} merging moves them both ways" if min(wrong, right) >= changed / 4 else "")
+                 + (f"; at {', '.join(f'{g:+d}' for g in others)} newly wrong / newly right are {pairs}" if others else ""))
+        if others and all(r.changed(g)[1] > r.changed(g)[2] for g in others):
+            text += ": more turn wrong than right at each, a small loss in one direction, within the noise at each gamma"
+        text += ". A larger training and held-out set would be needed to say more. "
     else:
         text += f"Merging changes few predictions: {changed} of {n} at {deepest:+d} ({wrong} newly wrong, {right} newly right). "
     per_class = {label: float(np.mean(r.predictions[0][r.held_labels == i] == i)) for i, label in enumerate(r.labels)}
