@@ -53,6 +53,9 @@ test: install
 
 # then: python -m bench.status (what is stale), python -m bench.headline --write (README's table)
 bench: install
+	# elpv solar-cell images (bench/dinov2_elpv.py), CC-BY-NC-SA 4.0: benchmarks only, so installed here and
+	# never by install/test (no test needs it) and never bundled; --no-deps (it needs only numpy and pillow)
+	$(BIN)/python -m pip install -q --no-deps elpv-dataset==1.0.0.post1
 	$(BIN)/python -m bench.all $(if $(QUICK),--quick) $(if $(ONLY),--only $(ONLY))
 
 clean-cache:

@@ -29,6 +29,11 @@
   path; fixed seeded stratified splits (:func:`text_task_split`) with 2,500 / 2,000 / 2,000
   validation and as many test items. ``sentiment`` (3 classes, the default head's task) is a
   composite: the tweets and reviews splits plus neutral plot sentences (:func:`text_task_parts`).
+- DINOv2 tasks (:func:`dinov2_task_split`): the served ones (:data:`DINOV2_TASKS`: MNIST and animal
+  silhouettes) and the benchmark-only ones (:data:`DINOV2_BENCH_TASKS`): ``elpv``, solar-cell
+  defects from ``elpv-dataset==1.0.0.post1`` (:func:`load_elpv`), licensed CC-BY-NC-SA 4.0, so
+  used for benchmarks only: nothing trained on it is ever saved inside the package
+  (``prompts.BENCHMARK_ONLY_LICENCES``), and the set-up installs it only for ``make bench``.
 - :func:`train_batches`: the grain epoch iterator every training loop reads batches from.
 
 Serving never imports this module (scikit-learn and grain are training's and the CLI's).
@@ -311,17 +316,136 @@ def load_animal_mnist() -> tuple[np.ndarray, np.ndarray]:
     return images, labels
 
 
+# ------------------------------------------------------------------ elpv (DINOv2 benchmark task; CC-BY-NC-SA)
+
+# PyPI elpv-dataset (Deitsch et al.'s ELPV: 2,624 electroluminescence images of solar cells, 300x300
+# 8-bit gray, each with the probability that the cell is defective, as rated by an expert, and the
+# cell type, mono or poly). Its images are CC-BY-NC-SA 4.0: benchmarks only, never bundled.
+ELPV_PIP = "elpv-dataset==1.0.0.post1"
+ELPV_SIZE = 300
+# The four defect-probability levels of labels.csv, in increasing order; label i is the level i/3.
+# Counts in 1.0.0.post1: p0 1,508, p1/3 295, p2/3 106, p1 715 (the smallest class bounds a split).
+ELPV_LABELS = ("p0", "p1/3", "p2/3", "p1")
+
+
+def elpv_data_dir() -> Path:
+    """``elpv_dataset/data`` of the installed ``elpv-dataset`` (``labels.csv`` and ``images/``), found by
+    path, never imported; MissingAsset naming the pip command if it is not installed."""
+    return _package_file("elpv_dataset", "data/labels.csv", ELPV_PIP, "the elpv solar-cell images").parent
+
+
+def elpv_index(root: str | Path | None = None) -> tuple[tuple[str, ...], np.ndarray, tuple[str, ...]]:
+    """(image paths relative to ``root``, labels int32 [N], cell types) from ``root/labels.csv``, in file
+    order. ``root``: a directory laid out like the package's data (default :func:`elpv_data_dir`).
+
+    Each row is ``path probability type``; the package separates fields by runs of spaces, and commas,
+    semicolons or tabs are read too. A header row (a non-numeric probability) is skipped. The
+    probability is one of 0, 1/3, 2/3, 1 (written to 16 digits); label = round(3 p), an index into
+    :data:`ELPV_LABELS`. FileNotFoundError for a root without labels.csv; ValueError naming the line
+    for a row of another shape or another probability."""
+    import re
+
+    folder = elpv_data_dir() if root is None else Path(root)
+    csv_path = folder / "labels.csv"
+    if not csv_path.is_file():
+        raise FileNotFoundError(f"elpv: no labels.csv in {folder} (expected a directory laid out like "
+                                f"elpv_dataset/data of {ELPV_PIP}: labels.csv and images/)")
+    paths, labels, types = [], [], []
+    for number, line in enumerate(csv_path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        fields = re.split(r"[\s,;]+", line.strip())
+        if len(fields) != 3:
+            raise ValueError(f"elpv: {csv_path} line {number}: expected 3 fields (path, probability, type), "
+                             f"got {len(fields)}: {line!r}")
+        try:
+            probability = float(fields[1])
+        except ValueError:
+            if number == 1 and not paths:  # a header
+                continue
+            raise ValueError(f"elpv: {csv_path} line {number}: probability {fields[1]!r} is not a number") from None
+        level = round(probability * 3)
+        if not 0 <= level <= 3 or abs(probability * 3 - level) > 1e-6:
+            raise ValueError(f"elpv: {csv_path} line {number}: probability {fields[1]} is not one of 0, 1/3, 2/3, 1")
+        paths.append(fields[0])
+        labels.append(level)
+        types.append(fields[2])
+    if not paths:
+        raise ValueError(f"elpv: {csv_path} lists no images")
+    return tuple(paths), np.asarray(labels, np.int32), tuple(types)
+
+
+def load_elpv(root: str | Path | None = None, indices: Sequence[int] | np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """(images float32 [N, 300, 300] in [0, 1], labels int32 [N] indexing :data:`ELPV_LABELS`) of the
+    rows ``indices`` of :func:`elpv_index` (default: all 2,624, ~0.9 GB as float32; a split decodes
+    only its own rows). Images are the package's 8-bit gray PNGs divided by 255. ``root``: see
+    :func:`elpv_index`. FileNotFoundError naming a listed image that is missing; ValueError for an
+    image that is not 8-bit gray ("L") or not 300x300."""
+    from PIL import Image
+
+    folder = elpv_data_dir() if root is None else Path(root)
+    paths, labels, _ = elpv_index(folder)
+    rows = np.arange(len(paths)) if indices is None else np.asarray(indices, np.int64)
+    images = np.empty((len(rows), ELPV_SIZE, ELPV_SIZE), np.float32)
+    for i, row in enumerate(rows):
+        path = folder / paths[row]
+        if not path.is_file():
+            raise FileNotFoundError(f"elpv: {path} (listed in labels.csv) does not exist")
+        with Image.open(path) as image:
+            if image.mode != "L" or image.size != (ELPV_SIZE, ELPV_SIZE):
+                raise ValueError(f"elpv: {path} is a {image.size[0]}x{image.size[1]} {image.mode!r} image; "
+                                 f"expected {ELPV_SIZE}x{ELPV_SIZE} 8-bit gray ('L')")
+            images[i] = np.asarray(image, np.float32) / 255.0
+    return images, labels[rows]
+
+
+# ------------------------------------------------------------------ DINOv2 task splits
+
 # The DINOv2 tasks: which images train a probe and which are held out, defined once for the probe
 # script (training/train_dinov2_probes.py) and `jaxserve profile --accuracy --model dinov2-s14`.
+# DINOV2_TASKS are the served ones (probes shipped in jaxserve/assets/dinov2-s14-prompts).
 DINOV2_TASKS = ("mnist", "animals")
+# Benchmark-only (bench/dinov2_elpv.py): elpv is CC-BY-NC-SA 4.0, so no probe trained on it is served or
+# bundled (each is in prompts.BENCHMARK_ONLY_LICENCES, whose save guard refuses the package directory).
+DINOV2_BENCH_TASKS = ("elpv",)
+
+
+def _check_per_class(task: str, labels: np.ndarray, names: Sequence[str], needed: int, what: str) -> None:
+    """ValueError naming the limit when a class of ``labels`` holds fewer than ``needed`` examples."""
+    counts = np.bincount(labels, minlength=len(names))
+    smallest = int(np.argmin(counts))
+    if needed > counts[smallest]:
+        raise ValueError(f"{task}: {what} = {needed} per class, but class {names[smallest]!r} holds only "
+                         f"{counts[smallest]}: at most {counts[smallest]} per class")
 
 
 def dinov2_task_split(task: str, split: str, image_size: int, train_per_class: int = 32, eval_per_class: int = 20,
-                      seed: int = 0) -> tuple[ImageSplit, tuple[str, ...]]:
-    """(split, labels) of a DINOv2 task, ``split`` "train" or "heldout", as 224x224 RGB images in
-    [0, 1] (:func:`to_rgb_square`; the runtime normalises, so profiling runs the serving path).
-    mnist: training images from its train split, held-out from its validation split; animals (one
-    pool): seeded, disjoint stratified subsets."""
+                      seed: int = 0, elpv_root: str | Path | None = None) -> tuple[ImageSplit, tuple[str, ...]]:
+    """(split, labels) of a DINOv2 task (:data:`DINOV2_TASKS` or :data:`DINOV2_BENCH_TASKS`), ``split``
+    "train" or "heldout", as ``image_size`` square RGB images in [0, 1] (:func:`to_rgb_square`; the
+    runtime normalises, so profiling runs the serving path). mnist: training images from its train
+    split, held-out from its validation split; animals and elpv (one pool each): seeded, disjoint
+    stratified subsets, the first ``train_per_class`` of each class of one seeded permutation for
+    training and the next ``eval_per_class`` held out. ValueError naming the limit when a class
+    holds fewer than that (elpv's smallest class, p2/3, holds 106: train + eval <= 106).
+    ``elpv_root``: elpv's data directory (default the installed package's; tests use a small one)."""
+    if elpv_root is not None and task != "elpv":
+        raise ValueError(f"elpv_root is for task 'elpv' only, not {task!r}")
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    if min(train_per_class, eval_per_class) < 1:
+        raise ValueError(f"{task}: train_per_class and eval_per_class must be >= 1, got "
+                         f"{train_per_class} and {eval_per_class}")
+    if task == "elpv":  # labels first: only the chosen rows' PNGs are decoded
+        pool_labels = elpv_index(elpv_root)[1]
+        _check_per_class(task, pool_labels, ELPV_LABELS, train_per_class + eval_per_class,
+                         "train_per_class + eval_per_class")
+        train_idx = stratified_subset(pool_labels, train_per_class, seed)
+        idx = train_idx if split == "train" else np.setdiff1d(
+            stratified_subset(pool_labels, train_per_class + eval_per_class, seed), train_idx)
+        x, y = load_elpv(elpv_root, idx)
+        return ImageSplit(to_rgb_square(x, image_size), y.astype(np.int32)), ELPV_LABELS
     if task == "mnist":
         data = load_mnist()
         pool_train, pool_eval, labels = data["train"], data["validation"], tuple(str(i) for i in range(10))
@@ -329,18 +453,22 @@ def dinov2_task_split(task: str, split: str, image_size: int, train_per_class: i
         pool_train = pool_eval = load_animal_mnist()
         labels = ANIMAL_CLASSES
     else:
-        raise KeyError(f"unknown DINOv2 task {task!r}; tasks: {DINOV2_TASKS}")
+        raise KeyError(f"unknown DINOv2 task {task!r}; tasks: {DINOV2_TASKS}, benchmark-only: {DINOV2_BENCH_TASKS}")
+    if pool_eval is pool_train:
+        _check_per_class(task, pool_train[1], labels, train_per_class + eval_per_class,
+                         "train_per_class + eval_per_class")
+    else:
+        _check_per_class(task, pool_train[1], labels, train_per_class, "train_per_class")
+        _check_per_class(task, pool_eval[1], labels, eval_per_class, "eval_per_class")
     train_idx = stratified_subset(pool_train[1], train_per_class, seed)
     if split == "train":
         x, y = pool_train[0][train_idx], pool_train[1][train_idx]
-    elif split == "heldout":
+    else:
         if pool_eval is pool_train:  # same permutation: the first train_per_class of each class are training's
             idx = np.setdiff1d(stratified_subset(pool_eval[1], train_per_class + eval_per_class, seed), train_idx)
         else:
             idx = stratified_subset(pool_eval[1], eval_per_class, seed + 1)
         x, y = pool_eval[0][idx], pool_eval[1][idx]
-    else:
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     return ImageSplit(to_rgb_square(x, image_size), y.astype(np.int32)), labels
 
 

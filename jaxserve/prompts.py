@@ -26,6 +26,11 @@ repository trained on another backbone is refused), the prompt mode and training
 
 The tasks the demo repository is trained on, and the splits its accuracy is profiled on,
 are the digit tasks of :mod:`jaxserve.datasets`.
+
+Benchmark-only tasks (:data:`BENCHMARK_ONLY_LICENCES`: data whose licence forbids shipping it, or
+anything trained on it, with the package) may be held by a repository, but
+:meth:`PromptRepository.save` refuses to write such a repository inside the installed ``jaxserve``
+package (``jaxserve/assets/...``), so a probe trained on them can never be bundled.
 """
 
 from __future__ import annotations
@@ -45,12 +50,33 @@ if TYPE_CHECKING:  # jaxserve.datasets imports the registry, which imports this 
     from jaxserve.datasets import ImageSplit
 
 __all__ = [
-    "PromptEntry", "PromptRepository", "backbone_head_entry", "backbone_repository",
-    "load_accuracy_profile", "profile_accuracy", "save_accuracy_profile",
+    "BENCHMARK_ONLY_LICENCES", "PromptEntry", "PromptRepository", "backbone_head_entry", "backbone_repository",
+    "load_accuracy_profile", "profile_accuracy", "refuse_bundling", "save_accuracy_profile",
 ]
 
 
 # ----------------------------------------------------------------------------------- repository
+
+# Tasks whose data may be used for benchmarks only, with their licence: a repository holding one is
+# never saved inside the package (PromptRepository.save). elpv (datasets.DINOV2_BENCH_TASKS): the
+# solar-cell images of PyPI elpv-dataset, licensed CC-BY-NC-SA 4.0 (non-commercial, share-alike).
+BENCHMARK_ONLY_LICENCES: dict[str, str] = {"elpv": "CC-BY-NC-SA-4.0"}
+PACKAGE_DIR = Path(__file__).resolve().parent  # the installed jaxserve package
+
+
+def refuse_bundling(tasks: Iterable[str], directory: str | Path) -> None:
+    """ValueError if any of ``tasks`` is benchmark-only (:data:`BENCHMARK_ONLY_LICENCES`) and
+    ``directory`` lies inside the installed jaxserve package (symlinks resolved), naming the task,
+    its licence and the path; otherwise nothing."""
+    bench_only = [t for t in tasks if t in BENCHMARK_ONLY_LICENCES]
+    if not bench_only:
+        return
+    target = Path(directory).expanduser().resolve()
+    if target == PACKAGE_DIR or PACKAGE_DIR in target.parents:
+        task = bench_only[0]
+        raise ValueError(f"task {task!r} is benchmark-only (licence {BENCHMARK_ONLY_LICENCES[task]}): a repository "
+                         f"holding it may not be saved inside the jaxserve package, and {target} is; save it under "
+                         "compiled_cache/ or a temporary directory")
 
 
 @dataclass(frozen=True)
@@ -164,6 +190,10 @@ class PromptRepository:
 
     # -------------------------------------------------------------- storage
     def save(self, directory: str | Path) -> None:
+        """Write the repository to ``directory`` (created; its ``state`` and ``repository.json``
+        replaced). ValueError, before anything is written, when it holds a benchmark-only task and
+        ``directory`` is inside the jaxserve package (:func:`refuse_bundling`)."""
+        refuse_bundling(self.tasks, directory)
         import orbax.checkpoint as ocp  # 0.4 s of import that only writing needs (and the CLI imports this module)
 
         out = Path(directory).absolute()
