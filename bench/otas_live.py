@@ -29,8 +29,8 @@ third task); rates are the paper's x ``--rate-scale`` 0.024, the ratio of the ca
 stands to capacity as in the paper (4.8-16.8 req/s synthetic, 4.8 / 18 req/s bursty); the
 SLOs are the paper's 0.6 s / 1 s (one to two batch-8 steps); traces last 90 s (about a dozen
 bursts); the grid is batch 1, 2, 4, 8 x its OTAS gammas (the largest
-batches take seconds each); fixed ToMe runs the paper's gamma -15; there is no VPT baseline,
-since no prompts are trained for it (its gammas stop at 0). The cost model is the one the
+batches take seconds each); fixed ToMe runs the paper's gamma -15, fixed VPT +4 (the one prompt
+count trained for DINOv2; the paper's VPT runs +2). The cost model is the one the
 server profiled at start (the cache's ``cost_model.json``) with the prompt repository's
 accuracy, and the simulated utility is the expected one (each on-time answer right with the
 profiled accuracy of its task and gamma: running every test image at every gamma beforehand
@@ -66,7 +66,8 @@ import numpy as np
 from bench.common import MetricsSampler, PLOTS, add_quick, apply_quick, record, save_plot, table
 from bench.load import start, stop
 from bench.otas_utility import (  # DINOV2_*: defined there, shared by both benches
-    DINOV2, DINOV2_QUERY_TYPES, DINOV2_TOME_GAMMA, MODEL, QUERY_TYPES, TOME_GAMMA, VPT_GAMMA, correctness_table,
+    DINOV2, DINOV2_QUERY_TYPES, DINOV2_TOME_GAMMA, DINOV2_VPT_GAMMA, MODEL, QUERY_TYPES, TOME_GAMMA, VPT_GAMMA,
+    correctness_table,
     make_workload, score,
 )
 
@@ -75,10 +76,8 @@ DINOV2_BATCHES = (1, 2, 4, 8)
 
 def policy_names(model: str) -> dict:
     tome = DINOV2_TOME_GAMMA if model == DINOV2 else TOME_GAMMA
-    names = {"otas": "OTAS", "pets": "PetS", "tome": f"ToMe ({tome:+d})"}
-    if model != DINOV2:
-        names["vpt"] = f"VPT ({VPT_GAMMA:+d})"
-    return names
+    vpt = DINOV2_VPT_GAMMA if model == DINOV2 else VPT_GAMMA
+    return {"otas": "OTAS", "pets": "PetS", "tome": f"ToMe ({tome:+d})", "vpt": f"VPT ({vpt:+d})"}
 
 
 POLICIES = policy_names(MODEL)
@@ -219,7 +218,7 @@ def main() -> None:
     p.add_argument("--rate-scale", type=float, default=None, help="default 0.06 (vit-demo), 0.024 (dinov2-s14)")
     p.add_argument("--slo-scale", type=float, default=None, help="default 0.25 (vit-demo), 1 (dinov2-s14)")
     p.add_argument("--traces", default="synthetic,bursty")
-    p.add_argument("--policies", default=None, help="default: otas,pets,tome,vpt (dinov2-s14: no vpt)")
+    p.add_argument("--policies", default=None, help="default: otas,pets,tome,vpt")
     p.add_argument("--cost", default=None,
                    help="the cost model server and simulator plan with (default: bench/otas_cost_vit-demo.json for "
                         "vit-demo; for dinov2-s14 the one the server profiles into the cache)")
@@ -242,7 +241,8 @@ def main() -> None:
     if args.cost is None and not dinov2:
         args.cost = str(Path(__file__).parent / "otas_cost_vit-demo.json")
     tome = DINOV2_TOME_GAMMA if dinov2 else TOME_GAMMA
-    options = {"otas": {"tome_gamma": tome, "vpt_gamma": None if dinov2 else VPT_GAMMA}}
+    vpt = DINOV2_VPT_GAMMA if dinov2 else VPT_GAMMA
+    options = {"otas": {"tome_gamma": tome, "vpt_gamma": vpt}}
     cost = planned = correct = None
 
     def plan_with(loaded):
@@ -276,7 +276,7 @@ def main() -> None:
             if key == "tome":
                 cmd += ["--tome-gamma", str(tome)]
             if key == "vpt":
-                cmd += ["--vpt-gamma", str(VPT_GAMMA)]
+                cmd += ["--vpt-gamma", str(vpt)]
             server = start(cmd, url)
             try:
                 ensure_ours(server, url, key, args.model)

@@ -43,12 +43,14 @@ second (INFaaSPolicy's default hysteresis, ``hold``).
 
 ``--model dinov2-s14`` (issue 23, items 3 and 4; section ``otas-utility-sim-dinov2-s14``): the same
 at the paper's rates with DINOv2 ViT-S/14's profile. Its cost model (bench/otas_cost_dinov2-s14.json)
-is the latency per (batch 1-8, gamma -21..0) the server profiled on this CPU (the compile cache's
-cost_model.json) with the probes' held-out accuracy per (task, gamma) (jaxserve/assets/dinov2-s14-
-prompts/accuracy.json), scaled as above (gamma 0 at batch 8 serves 580 req/s). Query types are
+is the latency per (batch 1-8, gamma -21..+4) measured on this CPU through the serving runtime
+(bench/otas_profile.py --model dinov2-s14) with the probes' and prompts' held-out accuracy per (task,
+gamma) (jaxserve/assets/dinov2-s14-prompts/accuracy.json), scaled as above (gamma 0 at batch 8
+serves 580 req/s). Query types are
 bench/otas_live.py's: Table II's rows over the two DINOv2 tasks, mnist in the easy task's rows and
-animals in the hard task's (utility 1.0), four types. Fixed ToMe runs the paper's gamma -15; there
-is no VPT baseline and OTAS has no gamma > 0, because no prompts are trained for DINOv2. INFaaS
+animals in the hard task's (utility 1.0), four types. Fixed ToMe runs the paper's gamma -15; VPT
+runs +4, the one prompt count trained for DINOv2 (the paper's VPT runs +2), which is also OTAS's only
+gamma > 0. INFaaS
 switches among DINOv2 truncated to fewer blocks, each with its own probes
 (bench/otas_infaas_variants.py --model dinov2-s14 -> bench/otas_infaas_variants_dinov2-s14.json),
 anchored to the cost model through the whole model and with each variant's measured load time as
@@ -95,6 +97,7 @@ DINOV2_QUERY_TYPES = (  # Table II's rows with our two DINOv2 tasks (see the mod
     ("animals", 0.6, 1.0), ("animals", 1.0, 0.2),
 )
 DINOV2_TOME_GAMMA = -15  # the paper's fixed-ToMe gamma
+DINOV2_VPT_GAMMA = 4  # the one prompt count trained for DINOv2 (the paper's VPT baseline is +2)
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ class Setup:
 SETUPS = {
     MODEL: Setup(MODEL, QUERY_TYPES, TOME_GAMMA, VPT_GAMMA, "otas_cost_vit-demo.json", "otas_infaas_variants.json",
                  "otas-utility-sim", 180),
-    DINOV2: Setup(DINOV2, DINOV2_QUERY_TYPES, DINOV2_TOME_GAMMA, None, f"otas_cost_{DINOV2}.json",
+    DINOV2: Setup(DINOV2, DINOV2_QUERY_TYPES, DINOV2_TOME_GAMMA, DINOV2_VPT_GAMMA, f"otas_cost_{DINOV2}.json",
                   f"otas_infaas_variants_{DINOV2}.json", f"otas-utility-sim-{DINOV2}", None, premise_infaas=True,
                   hold_scan=(1, 5, 10, 40)),
 }
@@ -365,9 +368,9 @@ def report(all_results: dict, factor: float, duration: float, setup: Setup = SET
         baselines = (f"ToMe baseline at gamma {TOME_GAMMA:+d} (the demo's counterpart of the paper's -15), VPT at "
                      f"{VPT_GAMMA:+d}")
     else:
-        baselines = (f"ToMe baseline at the paper's gamma {setup.tome_gamma:+d}; no VPT baseline and no gamma > 0 for "
-                     "OTAS (no prompts are trained for this model); INFaaS switches among the model truncated to "
-                     "fewer blocks")
+        baselines = (f"ToMe baseline at the paper's gamma {setup.tome_gamma:+d}; VPT at {setup.vpt_gamma:+d}, the one "
+                     "prompt count trained for this model (the paper's VPT runs +2); INFaaS switches among the model "
+                     "truncated to fewer blocks")
     notes = (f"Simulated (jaxserve/simulator.py driving the same policy objects as the server) with {setup.model}'s "
              f"cost model measured on this CPU, latencies scaled by {factor:.4g}x so that gamma 0 at batch {top_batch} "
              f"serves {PAPER_GAMMA0_RPS:.0f} req/s like the paper's ViT-B on an RTX 4080; {baselines}. Utility counts "
@@ -571,7 +574,7 @@ def sign_test(wins: int, losses: int) -> float:
 def dinov2_reading(all_results: dict, measured, grid, variants_path: Path, factor: float) -> str:
     """What the DINOv2 run says: the goals against the paper (utility vs PetS and INFaaS, success
     rate), the variants INFaaS switched among (is the larger one the more accurate, as the paper
-    assumes?), why, and what the setting lacks (prompts). Written by hand for the run recorded in
+    assumes?), why, and what the setting lacks. Written by hand for the run recorded in
     RESULTS.md; every number is this run's, and each claim that could turn with the numbers is
     computed (a rerun that changes it says so)."""
     lat, acc = measured.latency[DINOV2], measured.accuracy[DINOV2]
@@ -621,13 +624,22 @@ def dinov2_reading(all_results: dict, measured, grid, variants_path: Path, facto
                (("synthetic", syn), ("bursty", bur))}
     per_image = lat.latency_for(1, 0, 0) / (lat.latency_for(top, 0, 0) / top)
     vs_tome = {k: pct(res["OTAS"]["utility"], res[tome_name]["utility"]) for k, res in (("synthetic", syn), ("bursty", bur))}
+    prompted = [g for g in grid.gammas if g > 0]
+    at_tome = {k: res["OTAS"]["gamma_share"].get(tome, 0.0) for k, res in (("synthetic", syn), ("bursty", bur))}
+    lead = (f"OTAS is, in effect, fixed ToMe {tome:+d}" if min(at_tome.values()) >= 0.8 else
+            f"OTAS mixes its gammas (at {tome:+d}: {at_tome['synthetic']:.0%} synthetic, {at_tome['bursty']:.0%} bursty)")
+    offer = ("no prompts are trained for DINOv2 (no gamma > 0, so no accuracy to buy when the queue is short)"
+             if not prompted else "prompts buy little accuracy (" + ", ".join(
+                 f"{t} {acc.of(t, g) - acc.of(t, 0):+.3f} at {g:+d}" for t in tasks for g in prompted)
+             + " over gamma 0, for " + ", ".join(f"{lat.latency_for(top, 0, g) / lat.latency_for(top, 0, 0):.2f}x "
+                                                 f"gamma 0's batch-{top} time at {g:+d}" for g in prompted) + ")")
     out.append(
-        "**Reading.** At the paper's rates with DINOv2's profile OTAS is, in effect, fixed ToMe "
-        f"{tome:+d}: it earns {vs_tome['synthetic']:+.1f}% (synthetic) and {vs_tome['bursty']:+.1f}% (bursty) "
+        f"**Reading.** At the paper's rates with DINOv2's profile {lead}: it earns {vs_tome['synthetic']:+.1f}% "
+        f"(synthetic) and {vs_tome['bursty']:+.1f}% (bursty) "
         f"against fixed ToMe, and {pct(syn['OTAS']['utility'], syn['PetS']['utility']):+.1f}% / "
         f"{pct(bur['OTAS']['utility'], bur['PetS']['utility']):+.1f}% against PetS, far below the paper's "
-        f"+{PAPER['vs_pets']}%. Two reasons, both visible above. (1) This profile leaves OTAS only merging to choose: "
-        "no prompts are trained for DINOv2 (no gamma > 0, so no accuracy to buy when the queue is short), and "
+        f"+{PAPER['vs_pets']}%. Two reasons, both visible above. (1) This profile offers OTAS little to trade: "
+        f"{offer}, and "
         + (f"merging down to {tome:+d} costs no measured accuracy (held-out " + ", ".join(
             f"{t} {acc.of(t, 0):.3f} at gamma 0, {acc.of(t, tome):.3f} at {tome:+d}" for t in tasks)
            + "), so the most accurate gamma is also a fast one" if no_loss else
@@ -748,7 +760,10 @@ def dinov2_reading(all_results: dict, measured, grid, variants_path: Path, facto
                  + (f"; only {' and '.join(above)} {'reaches' if len(above) == 1 else 'reach'} it." if above
                     else "; none reaches it."))
     out.append(text)
-    out.append("**What this does not show:** prompts (gamma > 0) on DINOv2; a GPU (latencies are this CPU's, scaled "
+    lacks = "prompts (gamma > 0) on DINOv2; " if not prompted else (
+        f"prompts beyond {', '.join(f'{g:+d}' for g in prompted)} (one prompt count is trained, on 320 images per "
+        "task); ")
+    out.append(f"**What this does not show:** {lacks}a GPU (latencies are this CPU's, scaled "
                "by one factor, the load time is not); the MAF trace (the bursty trace stands in). The 200 held-out "
                "images per task are both the profile every policy plans with and the images scored, so one image is "
                "0.5 point of accuracy and accuracy differences of 1-2 points are noise. Latency ratios and load times "
