@@ -283,10 +283,10 @@ OTAS_GAMMAS = {
     "vit-demo": (-4, -3, -2, -1, 0, 2, 4, 8),
     # DINOv2 ViT-S/14: 256 patch tokens over 12 layers allow up to r = 21 per layer (ToMe's bipartite
     # limit clamps r = 21 in the last layer). Chosen from the measured throughput at batch 8
-    # (bench/RESULTS.md, otas-throughput-dinov2-s14): gamma -21/-18/-15/-12/-8/-4 run 1.76/1.56/1.40/
-    # 1.25/1.11/1.05x gamma 0, so the list spans the whole range in steps of ~0.15x. One prompt count
+    # (bench/RESULTS.md, otas-throughput-dinov2-s14): gamma -21/-18/-15/-12/-8/-4 run 1.94/1.69/1.50/
+    # 1.34/1.21/1.07x gamma 0, so the list spans the whole range in steps of ~0.15x. One prompt count
     # is trained (training/train_dinov2_probes.py --prompts 4: a step through the backbone takes seconds
-    # on 2 cores), so the one gamma > 0 is +4 (+2/+4/+8 measured at 0.93/0.95/0.91x gamma 0's throughput).
+    # on 2 cores), so the one gamma > 0 is +4 (+2/+4/+8 measured at 0.99/0.97/0.94x gamma 0's throughput).
     "dinov2-s14": (-21, -18, -15, -12, -8, -4, 0, 4),
 }
 
