@@ -160,7 +160,10 @@ def main() -> None:
             accuracy[(task, gamma)] = float(np.mean(np.argmax(logits, axis=1) == held.labels))
             print(f"{task} gamma {gamma:+d}: held-out accuracy {accuracy[(task, gamma)]:.4f}")
         repo.add(PromptEntry(task, 0, None, head_w, head_b, accuracy[(task, 0)]), labels)
-        repo.meta.setdefault("training", {})[task] = {
+        # a task's prompts (--prompts) are entries of their own, with their own heads: a new probe keeps
+        # them and their training record
+        kept = repo.meta.get("training", {}).get(task, {}).get("prompts")
+        repo.meta.setdefault("training", {})[task] = ({"prompts": kept} if kept else {}) | {
             "data": SOURCES[task], "train_images": int(len(train)), "held_out_images": int(len(held)),
             "preprocessing": "datasets.to_rgb_square (PIL bilinear to 224, gray to RGB), ImageNet mean/std",
             "probe": "linear head on the final-normed CLS state at gamma 0 (optax adamw, 500 full-batch steps)",
