@@ -160,19 +160,23 @@ def main() -> None:
             accuracy[(task, gamma)] = float(np.mean(np.argmax(logits, axis=1) == held.labels))
             print(f"{task} gamma {gamma:+d}: held-out accuracy {accuracy[(task, gamma)]:.4f}")
         repo.add(PromptEntry(task, 0, None, head_w, head_b, accuracy[(task, 0)]), labels)
-        # a task's prompts (--prompts) are entries of their own, with their own heads: a new probe keeps
-        # them and their training record
-        kept = repo.meta.get("training", {}).get(task, {}).get("prompts")
-        repo.meta.setdefault("training", {})[task] = ({"prompts": kept} if kept else {}) | {
+        record_probe(repo.meta, task, {
             "data": SOURCES[task], "train_images": int(len(train)), "held_out_images": int(len(held)),
             "preprocessing": "datasets.to_rgb_square (PIL bilinear to 224, gray to RGB), ImageNet mean/std",
             "probe": "linear head on the final-normed CLS state at gamma 0 (optax adamw, 500 full-batch steps)",
-            "seed": args.seed, "train_accuracy": train_acc}
+            "seed": args.seed, "train_accuracy": train_acc})
     repo.save(out)
     save_accuracy_profile(out / "accuracy.json", AccuracyProfile("dinov2-s14", accuracy),
                           held_out="stratified subsets (see repository.json)")
     print(json.dumps({f"{t}@{g:+d}": a for (t, g), a in sorted(accuracy.items())}))
     print(f"wrote {out}")
+
+
+def record_probe(meta: dict, task: str, record: dict) -> None:
+    """Set ``task``'s training record in a repository's ``meta`` to a new probe's ``record``, keeping
+    the record of its prompts: they are entries of their own, with their own heads, and stay."""
+    kept = meta.get("training", {}).get(task, {}).get("prompts")
+    meta.setdefault("training", {})[task] = ({"prompts": kept} if kept else {}) | record
 
 
 def train_prompts(args) -> None:

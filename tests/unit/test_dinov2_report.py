@@ -26,3 +26,16 @@ def test_accuracy_report_states_each_gamma_and_the_prompt_gain_in_images():
     assert "mnist +4: +0.050 (+10 images)" in notes and "animals +4: -0.010 (-2 images)" in notes
     assert "4 prompts per layer trained 6 epochs, batch 16, adam at 0.01" in notes
     assert "(one image = 0.005)" in notes
+
+
+def test_a_refitted_probe_keeps_the_tasks_prompt_record():
+    from training.train_dinov2_probes import record_probe
+
+    prompts = {"4": {"settings": {"epochs": 6}, "losses": [1.0], "train_seconds": 700.0}}
+    meta = {"training": {"mnist": {"data": "old", "prompts": prompts}, "animals": {"data": "a"}}}
+    record_probe(meta, "mnist", {"data": "new", "train_accuracy": 1.0})
+    assert meta["training"]["mnist"] == {"prompts": prompts, "data": "new", "train_accuracy": 1.0}
+    assert meta["training"]["animals"] == {"data": "a"}
+    fresh = {}
+    record_probe(fresh, "mnist", {"data": "x"})
+    assert fresh == {"training": {"mnist": {"data": "x"}}}
