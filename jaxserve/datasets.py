@@ -420,6 +420,18 @@ def _check_per_class(task: str, labels: np.ndarray, names: Sequence[str], needed
                          f"{counts[smallest]}: at most {counts[smallest]} per class")
 
 
+def _one_pool_indices(task: str, labels: np.ndarray, names: Sequence[str], split: str, train_per_class: int,
+                      eval_per_class: int, seed: int) -> np.ndarray:
+    """A one-pool task's ``split`` rows: one seeded permutation, whose first ``train_per_class`` of
+    each class train and next ``eval_per_class`` are held out (disjoint); ValueError naming the limit
+    when a class holds fewer than both together."""
+    _check_per_class(task, labels, names, train_per_class + eval_per_class, "train_per_class + eval_per_class")
+    train_idx = stratified_subset(labels, train_per_class, seed)
+    if split == "train":
+        return train_idx
+    return np.setdiff1d(stratified_subset(labels, train_per_class + eval_per_class, seed), train_idx)
+
+
 def dinov2_task_split(task: str, split: str, image_size: int, train_per_class: int = 32, eval_per_class: int = 20,
                       seed: int = 0, elpv_root: str | Path | None = None) -> tuple[ImageSplit, tuple[str, ...]]:
     """(split, labels) of a DINOv2 task (:data:`DINOV2_TASKS` or :data:`DINOV2_BENCH_TASKS`), ``split``
@@ -439,11 +451,7 @@ def dinov2_task_split(task: str, split: str, image_size: int, train_per_class: i
                          f"{train_per_class} and {eval_per_class}")
     if task == "elpv":  # labels first: only the chosen rows' PNGs are decoded
         pool_labels = elpv_index(elpv_root)[1]
-        _check_per_class(task, pool_labels, ELPV_LABELS, train_per_class + eval_per_class,
-                         "train_per_class + eval_per_class")
-        train_idx = stratified_subset(pool_labels, train_per_class, seed)
-        idx = train_idx if split == "train" else np.setdiff1d(
-            stratified_subset(pool_labels, train_per_class + eval_per_class, seed), train_idx)
+        idx = _one_pool_indices(task, pool_labels, ELPV_LABELS, split, train_per_class, eval_per_class, seed)
         x, y = load_elpv(elpv_root, idx)
         return ImageSplit(to_rgb_square(x, image_size), y.astype(np.int32)), ELPV_LABELS
     if task == "mnist":
@@ -455,20 +463,17 @@ def dinov2_task_split(task: str, split: str, image_size: int, train_per_class: i
     else:
         raise KeyError(f"unknown DINOv2 task {task!r}; tasks: {DINOV2_TASKS}, benchmark-only: {DINOV2_BENCH_TASKS}")
     if pool_eval is pool_train:
-        _check_per_class(task, pool_train[1], labels, train_per_class + eval_per_class,
-                         "train_per_class + eval_per_class")
+        idx = _one_pool_indices(task, pool_train[1], labels, split, train_per_class, eval_per_class, seed)
+        x, y = pool_train[0][idx], pool_train[1][idx]
     else:
         _check_per_class(task, pool_train[1], labels, train_per_class, "train_per_class")
         _check_per_class(task, pool_eval[1], labels, eval_per_class, "eval_per_class")
-    train_idx = stratified_subset(pool_train[1], train_per_class, seed)
-    if split == "train":
-        x, y = pool_train[0][train_idx], pool_train[1][train_idx]
-    else:
-        if pool_eval is pool_train:  # same permutation: the first train_per_class of each class are training's
-            idx = np.setdiff1d(stratified_subset(pool_eval[1], train_per_class + eval_per_class, seed), train_idx)
+        if split == "train":
+            idx = stratified_subset(pool_train[1], train_per_class, seed)
+            x, y = pool_train[0][idx], pool_train[1][idx]
         else:
             idx = stratified_subset(pool_eval[1], eval_per_class, seed + 1)
-        x, y = pool_eval[0][idx], pool_eval[1][idx]
+            x, y = pool_eval[0][idx], pool_eval[1][idx]
     return ImageSplit(to_rgb_square(x, image_size), y.astype(np.int32)), labels
 
 
