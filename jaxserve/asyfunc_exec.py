@@ -99,7 +99,7 @@ class Body:
     the block and ``post`` (from ``cache``; none compiled later). Runs batches alone or split
     with a shadow worker that holds ``block``."""
 
-    def __init__(self, parent: ModelRuntime, block: Stage, cache: CompileCache | None = None, *, tune: bool = False):
+    def __init__(self, parent: ModelRuntime, block: Stage, cache: CompileCache | None = None, *, tune: bool | str = False):
         self.parent = parent
         self.pre, self.block, self.post = body_stages(parent.name, parent.num_layers, block)
         stages = [s for s in (self.pre, self.block, self.post) if s is not None]
@@ -240,7 +240,7 @@ class PreparedBlock:
 
 
 def prepare_text_block(block: Stage, grid, cache: CompileCache | None, *, precision: str = "f32",
-                       tune: bool = False, prime: bool = True) -> PreparedBlock:
+                       tune: bool | str = False, prime: bool = True) -> PreparedBlock:
     """``block``'s stage table warmed from ``cache`` (``prime``: every cell run once, on zero
     weights), and the config it needs: from the block's checkpoint record when there is one
     (no array read), else from the whole model."""
@@ -285,7 +285,7 @@ def _block_meta(cache: CompileCache | None, block: Stage, precision: str) -> dic
 
 
 def load_text_block(model: str, block: Stage, grid, cache: CompileCache | None, *, precision: str = "f32",
-                    tune: bool = False, prime: bool = True, heads_dir: str | None = None,
+                    tune: bool | str = False, prime: bool = True, heads_dir: str | None = None,
                     prepared: PreparedBlock | None = None, params: Any = None) -> StageRuntime:
     """Only ``block`` of the text model ``model``: its stage table (``prepared``'s, else warmed
     from ``cache`` now: :func:`prepare_text_block`) and its parameters; the parent it hangs on
@@ -329,7 +329,7 @@ def load_text_block(model: str, block: Stage, grid, cache: CompileCache | None, 
 
 
 def prepare_image_block(block: Stage, grid, cache: CompileCache | None, *, precision: str = "f32",
-                        tune: bool = False, prime: bool = True, prompts_dir: str | None = None) -> PreparedBlock:
+                        tune: bool | str = False, prime: bool = True, prompts_dir: str | None = None) -> PreparedBlock:
     """An image model's ``block``: its stage table (``vit_stage_servable`` over ``grid``, with the
     prompt mode and head width of the model's prompt repository, as the whole model's table is
     keyed) warmed from ``cache`` (``prime``: every cell run once, on zero weights), and the
@@ -361,7 +361,7 @@ def prepare_image_block(block: Stage, grid, cache: CompileCache | None, *, preci
 
 
 def load_image_block(model: str, block: Stage, grid, cache: CompileCache | None, *, precision: str = "f32",
-                     tune: bool = False, prime: bool = True, prompts_dir: str | None = None,
+                     tune: bool | str = False, prime: bool = True, prompts_dir: str | None = None,
                      prepared: PreparedBlock | None = None, params: Any = None) -> StageRuntime:
     """Only ``block`` of the image model ``model``, as :func:`load_text_block` loads a text
     block: its stage table (``prepared``'s, else :func:`prepare_image_block` now) and its

@@ -50,7 +50,7 @@ from jaxserve.launch import (
 )
 from jaxserve.models.bert import load_hf_bert
 from jaxserve.models.precision import PRECISIONS
-from jaxserve.polymorph import PolymorphTable, WarmupCancelled
+from jaxserve.polymorph import TUNE_ATTENTION, PolymorphTable, WarmupCancelled
 from jaxserve.profiler import (
     buckets_for_distribution,
     buckets_from_latencies,
@@ -323,7 +323,14 @@ def _served(args) -> dict:
             raise CliError(f"--buckets: {max(args.buckets)} exceeds minilm-l6's {limit} positions")
     return {"text_grid": text_grid(buckets=args.buckets, batch_sizes=args.batch_sizes or DEFAULT_TEXT_BATCHES),
             "image_grid": ShapeGrid(args.batch_sizes or DEFAULT_IMAGE_BATCHES, gammas=_image_gammas(args)),
-            "heads_dir": args.heads_dir, "prompts_dir": args.prompts_dir, "tune": not args.no_tune}
+            "heads_dir": args.heads_dir, "prompts_dir": args.prompts_dir, "tune": _tuning(args)}
+
+
+def _tuning(args):
+    """PolymorphTable's ``tune`` from --no-tune and --tune-attention."""
+    if args.no_tune and args.tune_attention:
+        raise CliError("--tune-attention times alternatives, --no-tune times none: give one of them")
+    return False if args.no_tune else (TUNE_ATTENTION if args.tune_attention else True)
 
 
 def cmd_serve(args) -> int:
@@ -746,6 +753,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="compile each cell with the fixed option rule instead of timing the alternatives "
                              "(YNNPACK fusions on/off) and keeping the fastest on this machine; a warmup job and "
                              "its server must agree, since the choice is part of the cache key")
+        sp.add_argument("--tune-attention", action="store_true",
+                        help="also time each text cell of <= 64 tokens with attention as XLA ops against the "
+                             "fused CPU kernel and keep the faster (twice those cells' compiles; XLA's ops won "
+                             "some 32-token cells by 3-4%%); a warmup job and its server must agree")
         sp.add_argument("--gammas", type=_int_list(), default=None,
                         help="image OTAS gammas, e.g. --gammas=-2,0,2 (default: the model's OTAS list under "
                              "--policy otas|pets|tome|vpt or profile --accuracy, else 0)")

@@ -65,7 +65,7 @@ class ServeSettings:
     # plan with the prices the engine measures (profiled x measured/profiled per cell; jaxserve.cost_drift)
     correct_prices: bool = True
     precision: str = "f32"  # dense-kernel dtype of every model: "f32" or "bf16" (jaxserve.models.precision)
-    tune: bool = True  # warmup times each cell's alternative compile options and keeps the fastest (PolymorphTable)
+    tune: bool | str = True  # warmup times alternatives per cell, keeps the fastest (PolymorphTable: True, False, "attention")
     progress: bool = True
     text_grid: ShapeGrid | None = None  # grid overrides (tests use small ones)
     image_grid: ShapeGrid | None = None

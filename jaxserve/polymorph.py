@@ -52,6 +52,12 @@ def ynn_off(when: bool, platform: str | None = None, keep: tuple[str, ...] = ())
 
 YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
 _YNN_KIND = "LIBRARY_FUSION_TYPE_"
+# Not an XLA option: how the cell's attention is traced. {ATTENTION_OPTION: "xla"} traces it as
+# XLA ops instead of the fused CPU kernel (jaxserve.kernels); a candidate of warmup's attention
+# tuning (PolymorphTable, tune="attention"). Stripped before XLA sees the options; kept in the
+# cache key and the manifest like theirs.
+ATTENTION_OPTION = "attention"
+TUNE_ATTENTION = "attention"  # PolymorphTable(tune=...): time the attention forms too
 
 
 class NotWarmError(KeyError):
@@ -81,6 +87,9 @@ class Servable:
     # alternatives a tuning table times at warmup, keeping the fastest on this machine: for
     # options whose best choice depends on the CPU, not only on the model and the shape
     option_candidates: Callable[[Cell], tuple[dict[str, str], ...]] = lambda cell: ()
+    # cells where attention tuning (PolymorphTable, tune="attention") also times attention as
+    # XLA ops against the fused kernel (each option candidate both ways)
+    attention_alternative: Callable[[Cell], bool] = lambda cell: False
     precision: str = "f32"  # dense-kernel dtype (jaxserve.models.precision); part of the cache key
     # stage_servable(start, stop): the servable of layers [start, stop) of this model over the
     # same grid (jaxserve.stages), named and keyed by its range; None: the model cannot be cut
@@ -102,7 +111,9 @@ def options_label(options: dict[str, str]) -> str:
     "ynn-only:individual_dot" for :func:`ynn_off`'s."""
     parts = []
     for k, v in sorted(options.items()):
-        if k == YNN_OPTION:
+        if k == ATTENTION_OPTION:
+            parts.append(f"{v}-attn")
+        elif k == YNN_OPTION:
             parts.append("ynn-only:" + v.replace(_YNN_KIND, "").lower() if v else "ynn-off")
         else:
             parts.append(f"{k}={v}")
@@ -124,9 +135,18 @@ class PolymorphTable:
     and inputs (:meth:`_timing_args`, freed when :meth:`warmup` ends), interleaved, and
     keeps each one's best time. The alternatives are compilations of the same program, so
     the choice changes speed, never results beyond float rounding.
+
+    ``tune="attention"`` (opt-in: ``--tune-attention``) also times, where the servable allows
+    (``Servable.attention_alternative``) and the fused kernel is in use, each candidate with
+    attention traced as XLA ops: the kernel wins at most cells, XLA's ops at some of the
+    smallest (bench/RESULTS.md, ``peer``: the ``ours/xla-attn`` column). It doubles those cells'
+    compiles, which is why it is not the default. Both forms give the same results to float
+    rounding (tests/unit/test_attention.py).
     """
 
-    def __init__(self, servable: Servable, cache: CompileCache | None = None, tune: bool = True):
+    def __init__(self, servable: Servable, cache: CompileCache | None = None, tune: bool | str = True):
+        if tune not in (False, True, TUNE_ATTENTION):
+            raise ValueError(f"tune must be False, True or {TUNE_ATTENTION!r}, got {tune!r}")
         install_compile_counter()
         self.servable = servable
         self.cache = cache
@@ -144,9 +164,17 @@ class PolymorphTable:
             for options in self.servable.option_candidates(cell):
                 if options not in unique:
                     unique.append(options)
+            if self._tunes_attention(cell):
+                unique += [dict(o, **{ATTENTION_OPTION: "xla"}) for o in (unique or [self.servable.options_of(cell)])]
             if len(unique) > 1:
                 return tuple(unique)
         return (self.servable.options_of(cell),)
+
+    def _tunes_attention(self, cell: Cell) -> bool:
+        from jaxserve import kernels
+
+        return (self.tune == TUNE_ATTENTION and self.servable.attention_alternative(cell)
+                and kernels.attention_impl() == "fused")
 
     # ------------------------------------------------------------------ warmup
     def keys(self) -> set[str]:
@@ -203,11 +231,10 @@ class PolymorphTable:
             elif len(self.cache.events) > n_events:
                 source = "rebuilt"
         if compiled is None:
-            lowered = jax.jit(s.fn_for(cell)).lower(*s.abstract_args(cell))
             if len(candidates) == 1:
-                compiled, how = self._compile(key, lowered, parts, options, store=True)
+                compiled, how = self._compile(key, self._lower(cell, options), parts, options, store=True)
             else:
-                compiled, how, options, tuning_ms = self._tune(cell, key, lowered, parts, candidates)
+                compiled, how, options, tuning_ms = self._tune(cell, key, parts, candidates)
             if how == "xla-cache" or source != "rebuilt":
                 source = how
         seconds = time.perf_counter() - t0
@@ -221,15 +248,36 @@ class PolymorphTable:
             precision=s.precision, host_cpu=env["host_cpu"], tuning_ms=tuning_ms,
         )
 
-    def _compile(self, key: str, lowered, parts: dict, options: dict, store: bool) -> tuple[Any, str]:
-        if self.cache is None:
-            return lowered.compile(compiler_options=options or None), "compiled"
-        return self.cache.compile(key, lowered, parts, options=options, store=store)
+    def _lower(self, cell: Cell, options: dict):
+        """``cell``'s program, lowered; with ``{ATTENTION_OPTION: "xla"}``, attention as XLA ops."""
+        fn, args = self.servable.fn_for(cell), self.servable.abstract_args(cell)
+        if options.get(ATTENTION_OPTION) != "xla":
+            return jax.jit(fn).lower(*args)
+        from jaxserve import kernels
 
-    def _tune(self, cell: Cell, key: str, lowered, parts: dict, candidates) -> tuple[Any, str, dict, dict]:
-        """Compile every candidate, time each, keep (and store) the fastest. Returns
-        (executable, where it came from, its options, best ms per candidate)."""
-        built = [self._compile(key, lowered, parts, options, store=False) for options in candidates]
+        def traced(*a):  # a function jax has not traced: no cached trace of the fused form comes back
+            return fn(*a)
+
+        with kernels.tracing_xla_attention():
+            return jax.jit(traced).lower(*args)
+
+    def _compile(self, key: str, lowered, parts: dict, options: dict, store: bool) -> tuple[Any, str]:
+        xla = {k: v for k, v in options.items() if k != ATTENTION_OPTION}
+        if self.cache is None:
+            return lowered.compile(compiler_options=xla or None), "compiled"
+        return self.cache.compile(key, lowered, parts, options=xla, store=store)
+
+    def _tune(self, cell: Cell, key: str, parts: dict, candidates) -> tuple[Any, str, dict, dict]:
+        """Compile every candidate (lowered once per attention form), time each, keep (and
+        store) the fastest. Returns (executable, where it came from, its options, best ms per
+        candidate)."""
+        lowered: dict[Any, Any] = {}
+        built = []
+        for options in candidates:
+            form = options.get(ATTENTION_OPTION)
+            if form not in lowered:
+                lowered[form] = self._lower(cell, options)
+            built.append(self._compile(key, lowered[form], parts, options, store=False))
         # serialized before timing runs them (compile_cache.serialized); an XLA-cache load never is
         payloads = [serialized(c) if self.cache is not None and how == "compiled" else None for c, how in built]
         best = _best_times([b[0] for b in built], self._timing_args(cell))

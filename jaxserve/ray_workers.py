@@ -12,7 +12,7 @@ results (numpy arrays) come back through Ray's object store. A dead actor proces
 every future of its steps raise :class:`~jaxserve.workers.WorkerDied`.
 
 Filling a node's compile cache: run ``jaxserve warmup`` on that node with the flags the
-server gets (models, grids, precision, heads/prompts, ``--no-tune`` or not) and the same
+server gets (models, grids, precision, heads/prompts, ``--no-tune``, ``--tune-attention`` or neither) and the same
 ``--cache-dir`` path, or copy a warmed cache directory there from a machine of the same
 kind. Either way the key rules decide: an entry keyed for another jax/jaxlib version,
 CPU instruction set, device kind, ``XLA_FLAGS``, attention build or jaxserve source never
@@ -71,7 +71,7 @@ class WorkerSpec:
     models: tuple[str, ...]
     cache_dir: str | None
     precision: str = "f32"
-    tune: bool = True
+    tune: bool | str = True
     text_grid: Any = None
     image_grid: Any = None
     heads_dir: str | None = None

@@ -246,7 +246,7 @@ def text_heads_reader(name: str, heads_dir: Path | None, hidden_size: int):
 
 def load_text_runtime(name: str = "minilm-l6", cache=None, grid: ShapeGrid | None = None,
                       progress: bool = False, heads_dir: Path | None = None, precision: str = "f32", stop=None,
-                      tune: bool = True, importance: bool = False) -> TextRuntime:
+                      tune: bool | str = True, importance: bool = False) -> TextRuntime:
     """The text encoder ``name`` (:data:`TEXT_MODELS`) warmed over its grid, with its task
     heads. ``precision``: "f32" or "bf16" dense kernels (jaxserve.models.precision); ``stop``:
     as ``PolymorphTable.warmup``'s; ``tune``: as ``PolymorphTable``'s; ``importance``: its
@@ -403,7 +403,7 @@ def image_runtime_shell(name: str, grid: ShapeGrid | None = None, prompts_dir: P
 
 def load_image_runtime(name: str = "vit-demo", cache=None, grid: ShapeGrid | None = None, progress: bool = False,
                        prompts_dir: Path | None = None, precision: str = "f32", stop=None,
-                       tune: bool = True) -> ImageRuntime:
+                       tune: bool | str = True) -> ImageRuntime:
     """An image model (the demo ViT, or ``dinov2-s14``) warmed over its grid, serving every task of its
     prompt repository.
 

@@ -41,6 +41,7 @@ def bert_servable(name: str, cfg: BertConfig, grid: ShapeGrid, precision: str = 
         abstract_state=abstract_state, fn_for=lambda cell: encode, input_specs=specs,
         options_of=bert_options if precision == "f32" else bert_bf16_options, precision=precision,
         option_candidates=ynn_candidates if precision == "f32" else ynn_bf16_candidates,
+        attention_alternative=(lambda cell: False) if importance else short_text_cell,
         stage_servable=lambda start, stop: bert_stage_servable(name, cfg, grid, start, stop, precision),
     )
 
@@ -77,7 +78,20 @@ def bert_stage_servable(name: str, cfg: BertConfig, grid: ShapeGrid, start: int,
         variant_of=lambda cell: f"layers={start}:{stop}/{cfg.num_layers}",
         options_of=bert_options if precision == "f32" else bert_bf16_options, precision=precision,
         option_candidates=ynn_candidates if precision == "f32" else ynn_bf16_candidates,
+        attention_alternative=short_text_cell,
     )
+
+
+ATTENTION_TUNING_MAX_SEQ = 64
+
+
+def short_text_cell(cell: Cell) -> bool:
+    """Where warmup's attention tuning (``--tune-attention``) also times attention as XLA ops
+    against the fused kernel: text buckets of <= 64 tokens. Measured on the 2-core EPYC
+    (bench/RESULTS.md, ``peer``, 2026-11-25: ``ours/xla-attn``), XLA's ops were 3-4% faster in
+    3 of the 4 cells of 32 tokens and slower in every cell of 64 to 256 (by 2-24%, more the
+    longer): beyond 64 tokens the second form is not worth its compiles."""
+    return cell.seq <= ATTENTION_TUNING_MAX_SEQ
 
 
 def ynn_candidates(cell: Cell) -> tuple[dict[str, str], ...]:

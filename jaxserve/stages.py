@@ -246,7 +246,7 @@ def slice_stage_weights(weights: Any, stage_abstract: Any, start: int) -> Any:
 
 
 def build_stage_runtimes(parent: ModelRuntime, stages: Sequence[Stage], cache: CompileCache | None, *,
-                         progress: bool = False, tune: bool = False,
+                         progress: bool = False, tune: bool | str = False,
                          stop: Callable[[], bool] | None = None) -> dict[Stage, StageRuntime]:
     """A warmed :class:`StageRuntime` per stage of ``parent``'s model: each compiles (or loads
     from ``cache``) every cell of the parent's grid, keyed by its range, and holds its slice

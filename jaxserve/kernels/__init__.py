@@ -213,6 +213,20 @@ def attention_fingerprint() -> str:
 
 
 @contextlib.contextmanager
+def tracing_xla_attention():
+    """Attention traced inside this block compiles to XLA ops, without clearing jax's caches:
+    only for tracing a function object jax has not traced before (warmup's tuning wraps the
+    cell's function afresh, :class:`jaxserve.polymorph.PolymorphTable`), since a cached trace
+    of the same function would come back in the other form. Cache keys made inside the block
+    would name XLA attention: make them outside it."""
+    token = _override.set("xla")
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+@contextlib.contextmanager
 def xla_attention():
     """Trace (and key) attention as XLA ops inside this block, kernel or not: the benchmarks'
     same-run A/B and the tests' reference.

@@ -598,3 +598,13 @@ def test_simulate_without_a_cost_model_says_which_file_is_missing_and_the_cascad
                          timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout)["requests"] == 50
+
+
+def test_tune_attention_and_no_tune_are_refused_together(capsys, tmp_path):
+    from jaxserve.cli import main
+    from jaxserve.compile_cache import compile_count
+
+    before = compile_count()
+    assert main(["warmup", "--model", "minilm-l6", "--no-tune", "--tune-attention", "--cache-dir", str(tmp_path)]) == 2
+    assert "--tune-attention times alternatives, --no-tune times none" in capsys.readouterr().err
+    assert compile_count() == before

@@ -211,3 +211,67 @@ def test_best_times_ranks_by_each_candidates_best_call(monkeypatch):
     assert _best_times([first_call_costs], (), min_seconds=0.0095) == pytest.approx([0.001])
     one_round = takes(iter([0.008] + [0.001] * 2))
     assert _best_times([one_round], (), rounds=1, min_seconds=0.0095) == pytest.approx([0.010 / 3])
+
+
+def test_attention_tuning_times_both_forms_and_keeps_the_faster(tmp_path, monkeypatch):
+    """With tune="attention", a short text cell's candidates are each YNN choice twice, with
+    attention through the fused kernel and as XLA ops; a long cell keeps the two YNN choices.
+    The winner (scripted: XLA's ops at 32 tokens) is what the cell runs, stored and loaded back
+    with its options; its program calls no kernel while the long cell's does, and both answer
+    as the fixed-rule table does. Without the kernel there is nothing to choose between."""
+    from jaxserve import kernels
+    from jaxserve.polymorph import ATTENTION_OPTION, TUNE_ATTENTION
+
+    short, long = Cell(2, 32), Cell(2, 128)
+    xla = {ATTENTION_OPTION: "xla"}
+
+    def tiny(cache_dir, tune):
+        cfg = BERT_CONFIGS["bert-tiny-test"]
+        sv = bert_servable("bert-tiny-test", cfg, ShapeGrid(batch_sizes=(2,), seq_buckets=(32, 128)))
+        return PolymorphTable(sv, CompileCache(cache_dir, False), tune=tune), cfg
+
+    if kernels.attention_impl() != "fused":  # no kernel on this backend or build: one form, no attention choice
+        table, _ = tiny(tmp_path / "n", TUNE_ATTENTION)
+        assert all(ATTENTION_OPTION not in o for c in (short, long) for o in table.candidates(c))
+        return
+    table, cfg = tiny(tmp_path / "c", TUNE_ATTENTION)
+    plain, _ = tiny(tmp_path / "p", True)
+    assert table.candidates(short) == ({}, OFF, xla, {**OFF, **xla})
+    assert table.candidates(long) == plain.candidates(long) == ({}, OFF)
+    assert plain.candidates(short) == ({}, OFF)
+    assert table._key(short)[0] != plain._key(short)[0] and table._key(long)[0] == plain._key(long)[0]
+    with pytest.raises(ValueError, match="tune must be"):
+        tiny(tmp_path / "x", "yes")
+
+    scripted = {32: [0.004, 0.005, 0.002, 0.003], 128: [0.002, 0.003]}
+
+    def best_times(executables, args, **_):
+        for ex in executables:
+            jax.block_until_ready(ex(*args))
+        return scripted[args[1].shape[1]]
+
+    monkeypatch.setattr(polymorph, "_best_times", best_times)
+    before = compile_count()
+    rows = {r.cell: r for r in table.warmup()}
+    assert compile_count() - before == 4 + 2
+    assert rows[short.label()].compile_options == xla and rows[long.label()].compile_options == {}
+    assert rows[short.label()].tuning_ms == {"default": 4.0, "ynn-off": 5.0, "xla-attn": 2.0, "xla-attn,ynn-off": 3.0}
+    kernel_calls = lambda t, c: t.executable(c).as_text().count(kernels.ATTENTION_TARGET)  # noqa: E731
+    assert kernel_calls(table, short) == 0 and kernel_calls(table, long) > 0
+
+    weights = weights_of(Bert(cfg, rngs=nnx.Rngs(0)))
+    fixed, _ = tiny(tmp_path / "f", False)
+    fixed.warmup()
+    again, _ = tiny(tmp_path / "c", TUNE_ATTENTION)
+    before = compile_count()
+    again_rows = {r.cell: r for r in again.warmup()}
+    assert compile_count() == before and {r.source for r in again_rows.values()} == {"serialized"}
+    assert again_rows[short.label()].compile_options == xla and kernel_calls(again, short) == 0
+    rng = np.random.default_rng(2)
+    for cell in (short, long):
+        ids = rng.integers(1, cfg.vocab_size, (cell.batch, cell.seq)).astype(np.int32)
+        mask = np.ones_like(ids)
+        mask[1, cell.seq // 2:] = 0  # a padded row: the key bias path too
+        ref = fixed.run(cell, weights, ids, mask)["embedding"]
+        for t in (table, again):
+            np.testing.assert_allclose(t.run(cell, weights, ids, mask)["embedding"], ref, atol=1e-5)
