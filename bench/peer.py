@@ -6,10 +6,13 @@ token ids and the same shapes (batch 8 and 32 x length 32..256), measured interl
 so that every ratio compares timings taken in the same minutes of a shared machine.
 
   ours          PolymorphTable executables of jaxserve's encode fn (hidden states, mean
-                pooling, L2 norm), compiled ahead of time per cell
-  xla-attn      the same servable and compile options with attention traced as XLA ops
-                instead of the fused CPU kernel (jaxserve.kernels.xla_attention): what the
-                kernel buys, as a same-minute ratio
+                pooling, L2 norm), compiled ahead of time per cell and tuned as
+                ``--tune-attention`` tunes: YNN fusions on or off and, at <= 64 tokens,
+                attention through the fused kernel or as XLA ops, the fastest kept (the
+                options column names the winner)
+  xla-attn      the same servable with attention traced as XLA ops in every cell
+                (jaxserve.kernels.xla_attention; YNN tuned alike): what the kernel buys, as a
+                same-minute ratio; where ours chose xla-attn itself, the same program
   eager         HF transformers BertModel, float32, inference_mode, the faster of
                 attn_implementation="sdpa" and "eager" (both are shown)
   compile       torch.compile(dynamic=False) of the same encode function, default mode
@@ -119,7 +122,7 @@ from flax import nnx  # noqa: E402
 from bench.common import bert_flops, bert_inputs, invocation, output, splice, stamp  # noqa: E402
 from jaxserve import kernels  # noqa: E402
 from jaxserve.models.bert import BERT_CONFIGS, BertConfig, export_hf_bert, init_bert, load_hf_bert, make_encode_fn  # noqa: E402
-from jaxserve.polymorph import PolymorphTable, options_label  # noqa: E402
+from jaxserve.polymorph import TUNE_ATTENTION, PolymorphTable, options_label  # noqa: E402
 from jaxserve.registry import minilm_dir  # noqa: E402
 from jaxserve.sched.base import Cell, ShapeGrid  # noqa: E402
 from jaxserve.servables import bert_servable, weights_of  # noqa: E402
@@ -284,7 +287,7 @@ def run_grid(args, worker: TorchWorker, models: list[str], batches, lengths, tmp
             worker.call(cmd="drop", impl="compile-default", model=name, batch=1, seq=8)
             info["init"] = (j, r.get("first_seconds", math.nan))
         grid = ShapeGrid(batch_sizes=tuple(batches), seq_buckets=tuple(lengths))
-        table = PolymorphTable(bert_servable(name, cfg, grid, args.precision))
+        table = PolymorphTable(bert_servable(name, cfg, grid, args.precision), tune=TUNE_ATTENTION)
         weights = weights_of(model, args.precision)
         if bf16:  # float32 reference embeddings: our float32 executables (== torch float32 to ~3e-7)
             ref_table, ref_weights = PolymorphTable(bert_servable(name, cfg, grid)), weights_of(model)
@@ -412,8 +415,10 @@ def report(args, results: list[CellResult], peaks: dict, info: dict, started: st
              "figure on this shared machine.")
     L.append("- same weights and token ids on both sides (MiniLM: the real all-MiniLM-L6-v2 checkpoint; "
              "BERT-base: random init exported with export_hf_bert); the last row of every batch is half padding."
-             + (" 'xla-attn' is ours with attention as XLA ops instead of the fused kernel (same servable, same "
-                "compile options), for the before/after of that kernel.\n"
+             + (" Ours is tuned per cell as `--tune-attention` tunes (YNN fusions on/off; at <= 64 tokens also "
+                "attention through the fused kernel or as XLA ops): the options in brackets won. 'xla-attn' is the "
+                "same servable with attention as XLA ops in every cell (YNN tuned alike), for the before/after of "
+                "the kernel; where ours chose xla-attn, the two run the same program.\n"
                 if any("xla-attn" in r.times for r in results) else "\n"))
     fma = info.get("fma_gflops", math.nan)
     if not bf16:
