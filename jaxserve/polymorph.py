@@ -133,15 +133,15 @@ class PolymorphTable:
     winner, so later starts load it without timing again, and the manifest row says which
     options won and every candidate's time. Timing runs each candidate on stand-in weights
     and inputs (:meth:`_timing_args`, freed when :meth:`warmup` ends), interleaved, and
-    keeps each one's best time. The alternatives are compilations of the same program, so
-    the choice changes speed, never results beyond float rounding.
+    keeps each one's best time. The option alternatives are compilations of the same program,
+    so the choice changes speed, never results beyond float rounding.
 
     ``tune="attention"`` (opt-in: ``--tune-attention``) also times, where the servable allows
     (``Servable.attention_alternative``) and the fused kernel is in use, each candidate with
     attention traced as XLA ops: the kernel wins at most cells, XLA's ops at some of the
     smallest (bench/RESULTS.md, ``peer``: the ``ours/xla-attn`` column). It doubles those cells'
-    compiles, which is why it is not the default. Both forms give the same results to float
-    rounding (tests/unit/test_attention.py).
+    compiles, which is why it is not the default. The two forms are two programs with the same
+    results to float rounding (tests/integration/test_attention.py).
     """
 
     def __init__(self, servable: Servable, cache: CompileCache | None = None, tune: bool | str = True):
