@@ -493,7 +493,7 @@ def report(args, results: list[CellResult], peaks: dict, info: dict, started: st
                              for r in results if r.times.get("eager-eager")) + ".")
     L.append("\n## Grid warmup: time to first result per shape (seconds)\n")
     L.append("JAX: the polymorph table's warmup of the cell: `jit(...).lower(...).compile()` of each candidate set of "
-             "options (YNN fusions on / off), timing them and keeping the fastest ('JAX compile' includes that "
+             "options (YNN fusions on / off, bf16: all or single dots; at <= 64 tokens each also with attention as XLA ops), timing them and keeping the fastest ('JAX compile' includes that "
              "tuning), then the first call. "
              "torch.compile(dynamic=False): a fresh wrapper per shape, the first call (dynamo + inductor, "
              "inductor cache cold at the start of the run). Eager: the first call.\n")
