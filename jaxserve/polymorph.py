@@ -164,8 +164,9 @@ class PolymorphTable:
             for options in self.servable.option_candidates(cell):
                 if options not in unique:
                     unique.append(options)
-            if self._tunes_attention(cell):
-                unique += [dict(o, **{ATTENTION_OPTION: "xla"}) for o in (unique or [self.servable.options_of(cell)])]
+            if self._tunes_attention(cell):  # each option choice (or the fixed rule's) in both forms
+                unique = unique or [self.servable.options_of(cell)]
+                unique += [dict(o, **{ATTENTION_OPTION: "xla"}) for o in unique]
             if len(unique) > 1:
                 return tuple(unique)
         return (self.servable.options_of(cell),)

@@ -239,6 +239,9 @@ def test_attention_tuning_times_both_forms_and_keeps_the_faster(tmp_path, monkey
     assert table.candidates(short) == ({}, OFF, xla, {**OFF, **xla})
     assert table.candidates(long) == plain.candidates(long) == ({}, OFF)
     assert plain.candidates(short) == ({}, OFF)
+    # a servable without option alternatives still gets both forms, of its fixed rule's options
+    no_options = PolymorphTable(dataclasses.replace(table.servable, option_candidates=lambda c: ()), tune=TUNE_ATTENTION)
+    assert no_options.candidates(short) == ({}, xla)
     assert table._key(short)[0] != plain._key(short)[0] and table._key(long)[0] == plain._key(long)[0]
     with pytest.raises(ValueError, match="tune must be"):
         tiny(tmp_path / "x", "yes")
