@@ -237,10 +237,9 @@ def xla_attention():
     costs a retrace, which is why this is for benchmarks and tests, not a serving process."""
     import jax
 
-    token = _override.set("xla")
-    jax.clear_caches()
-    try:
-        yield
-    finally:
+    with tracing_xla_attention():
         jax.clear_caches()
-        _override.reset(token)
+        try:
+            yield
+        finally:
+            jax.clear_caches()
