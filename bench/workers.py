@@ -10,7 +10,12 @@ length 64) behind 2 thread workers and behind 2 Ray actors, XLA at one intra-op 
 in each (the thread setup's process and every actor alike), from one run: throughput, Ray's
 per-step overhead (a b1 x 16 step's round trip against the same step in-process), transfer
 time per MB between actors (hidden-state-sized arrays and larger, through the object store)
-and the time a new actor takes to be ready (serialized executables and weights).
+and the time a new actor takes to be ready (serialized executables and weights). Then the
+hand-off of activations between steps (``WorkerSpec.handoff``): AsyFunc's split of a b8×64
+batch (MiniLM cut at layers 2 and 4: ``[0:2)`` on a body, ``[2:4)`` on 4 rows each at the body
+and at a shadow, ``[4:6)`` merged on the body) and the same three stages as a pipeline over the
+two actors, each step's carry made by the engine's ``gather_carry``, with the activations left
+in the store (``"store"``) and sent through the driver (``"driver"``), timed alternately.
 
     python -m bench.workers [--seconds 8] [--section all|threads|ray] [--write]
 """
@@ -170,7 +175,7 @@ def ray_measure(seconds: float, rounds: int) -> dict:
     cache = tempfile.mkdtemp(prefix="jaxserve-bench-ray-")
     try:
         settings = ServeSettings(models=("minilm-l6",), cache_dir=cache, progress=False,
-                                 text_grid=ShapeGrid((1, 8), (16, 64)))
+                                 text_grid=ShapeGrid((1, 4, 8), (16, 64)))
         rt = load_runtimes(settings, CompileCache(cache))["minilm-l6"]  # compiles, fills the cache
         stage = Stage("minilm-l6", 0, rt.num_layers, rt.num_layers)
         rs = np.random.RandomState(0)
@@ -199,6 +204,7 @@ def ray_measure(seconds: float, rounds: int) -> dict:
             del ref
         out["hops"] = hops
         out["compilations"] = [w.compilations() for w in actors]
+        out["handoff"] = handoff_measure(settings, rt, 100)
         pids = [w.pid() for w in actors]
         for w in actors + threads:
             w.close()
@@ -219,6 +225,64 @@ def ray_measure(seconds: float, rounds: int) -> dict:
     finally:
         ray.shutdown()
         shutil.rmtree(cache, ignore_errors=True)
+
+
+def handoff_measure(settings, rt, repeats: int) -> dict:
+    """Per hand-off ("store", "driver"): the median wall time of a split chain and of a pipeline
+    chain (module docstring), timed alternately ``repeats`` times, and their compute time."""
+    import dataclasses
+
+    from jaxserve.compile_cache import CompileCache
+    from jaxserve.ray_workers import RayWorker, WorkerSpec, all_ready
+    from jaxserve.sched.base import Cell
+    from jaxserve.stages import build_stage_runtimes, split_stages
+    from jaxserve.workers import Step, gather_carry
+
+    pre, blk, post = split_stages("minilm-l6", rt.num_layers, (2, 4))
+    build_stage_runtimes(rt, (pre, blk, post), CompileCache(settings.cache_dir), tune=settings.tune)
+    spec = WorkerSpec.from_settings(settings)
+    pairs = {}
+    for handoff in ("store", "driver"):
+        s = dataclasses.replace(spec, handoff=handoff)
+        pairs[handoff] = (RayWorker(20, s, [pre, blk, post]), RayWorker(21, s, [blk]))
+    all_ready([w for pair in pairs.values() for w in pair])
+    rs = np.random.RandomState(1)
+    payloads = tuple([101, *rs.randint(1000, 30000, 62).tolist(), 102] for _ in range(8))
+    tasks = ("",) * 8
+    c8, c4 = Cell(8, 64), Cell(4, 64)
+    compute: dict[str, list[float]] = {}
+
+    def split(handoff: str) -> None:
+        body, shadow = pairs[handoff]
+        s1 = body.submit(Step(pre, c8, payloads, tasks)).result()
+        fa = body.submit(Step(blk, c4, (), tasks[:4], gather_carry([(s1.carry, i) for i in range(4)])))
+        fb = shadow.submit(Step(blk, c4, (), tasks[4:], gather_carry([(s1.carry, i) for i in range(4, 8)])))
+        a, b = fa.result(), fb.result()
+        merged = gather_carry([(a.carry, i) for i in range(4)] + [(b.carry, i) for i in range(4)])
+        s3 = body.submit(Step(post, c8, (), tasks, merged)).result()
+        compute.setdefault(f"split_{handoff}", []).append(s1.compute_seconds + max(a.compute_seconds, b.compute_seconds)
+                                                            + s3.compute_seconds)
+
+    def pipeline(handoff: str) -> None:
+        body, shadow = pairs[handoff]
+        s1 = body.submit(Step(pre, c8, payloads, tasks)).result()
+        s2 = shadow.submit(Step(blk, c8, (), tasks, gather_carry([(s1.carry, i) for i in range(8)]))).result()
+        s3 = body.submit(Step(post, c8, (), tasks, gather_carry([(s2.carry, i) for i in range(8)]))).result()
+        compute.setdefault(f"pipeline_{handoff}", []).append(s1.compute_seconds + s2.compute_seconds
+                                                               + s3.compute_seconds)
+
+    out = {}
+    for name, fn in (("split", split), ("pipeline", pipeline)):
+        out[f"{name}_store_s"], out[f"{name}_driver_s"], out[f"{name}_diff_s"] = _paired_seconds(
+            lambda: fn("store"), lambda: fn("driver"), repeats)
+    out.update({f"{k}_compute_s": float(np.median(v)) for k, v in compute.items()})
+    out["carry_mb"] = 8 * 64 * 384 * 4 / 2**20
+    out["handoffs_store_body"] = pairs["store"][0].handoffs()
+    out["handoffs_store_shadow"] = pairs["store"][1].handoffs()
+    for pair in pairs.values():
+        for w in pair:
+            w.close()
+    return out
 
 
 def ray_section(seconds: float, rounds: int, write: bool) -> None:
@@ -255,6 +319,15 @@ def ray_section(seconds: float, rounds: int, write: bool) -> None:
         ["2 actors started at once, both ready (s)", f"{r['two_actors_ready_s']:.2f}", ""],
         ["compilations in the actors after load", f"{sum(r['compilations']) + r['new_actor_compilations']}", ""],
     ]
+    h = r["handoff"]
+    for name, label in (("split", "split b8×64 (body [0:2), 4+4 rows [2:4) on body and shadow, body [4:6))"),
+                        ("pipeline", "pipeline b8×64 ([0:2) body, [2:4) shadow, [4:6) body)")):
+        rows += [[f"{label}, activations left in the store (ms; compute {h[f'{name}_store_compute_s'] * 1e3:.1f})",
+                  f"{h[f'{name}_store_s'] * 1e3:.2f}", ""],
+                 [f"… the same, activations through the driver (ms; compute {h[f'{name}_driver_compute_s'] * 1e3:.1f})",
+                  f"{h[f'{name}_driver_s'] * 1e3:.2f}", ""],
+                 ["… through the driver minus left in the store, paired (ms); store / driver",
+                  f"{h[f'{name}_diff_s'] * 1e3:.2f}", f"{h[f'{name}_store_s'] / h[f'{name}_driver_s']:.2f}"]]
     text = table(["measure", "value", "× threads"], rows)
     notes = (f"MiniLM-L6 (real weights), cell b8×64, XLA_FLAGS='{ONE_THREAD}' in this process's thread workers "
              f"and in every actor (one core each; Ray logical CPUs: 1 per actor). Throughput: median of {rounds} "
@@ -264,7 +337,10 @@ def ray_section(seconds: float, rounds: int, write: bool) -> None:
              "through `RayWorker.submit` and the same step through `ThreadWorker.submit`, timed alternately. Transfers: actor A returns an array that "
              "actor B takes as an argument (one copy into the object store, mapped by B on this one node); "
              "per MB is the slope of a least-squares fit over 0.75, 3, 12 and 48 MB (plus an 8-byte array), "
-             f"intercept {intercept * 1e3:.2f} ms. New actor: `RayWorker(...).ready` with the executables "
+             f"intercept {intercept * 1e3:.2f} ms. Hand-off: medians of 100 chains per hand-off, timed alternately "
+             f"(the last column there: store / driver); {h['carry_mb']:.2f} MB of hidden states per full carry; "
+             f"in the store arm the body took {h['handoffs_store_body']} and the shadow "
+             f"{h['handoffs_store_shadow']} parts (kept: its own activations on its device). New actor: `RayWorker(...).ready` with the executables "
              "in a cache the driver filled moments before (page cache warm). Load average (1 min) "
              f"{load_before:.1f} before, {load_after:.1f} after: the 2 cores are shared with other jobs, "
              "so read the ratios (interleaved) rather than the absolute rates.")

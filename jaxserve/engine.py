@@ -33,9 +33,12 @@ Guarantees (tested through HTTP in tests/integration/test_server.py, and in test
   their futures are cancelled (outcome ``withdrawn``). Items already running finish;
   their answers go nowhere.
 
-Between steps a request's activations stay where its step left them: when the next
-step runs the same rows in the same order, the previous step's arrays are passed on
-as they are (on the device, for a thread worker); otherwise its rows are gathered.
+Between steps a request's activations stay where its step left them
+(:func:`~jaxserve.workers.gather_carry`): when the next step runs the same rows in the
+same order, the previous step's arrays are passed on as they are (on the device, for a
+thread worker, or for the Ray actor that made them); otherwise its rows are gathered. A
+Ray step's activations never come to this process: they wait in Ray's object store, and
+the next step's actor takes its rows from there.
 A later stage's cell must have its predecessor's sequence bucket and gamma (the
 activations' shape); its batch size may differ.
 
@@ -60,8 +63,7 @@ from jaxserve.compile_cache import compile_count
 from jaxserve.cost_drift import WARN_RATIO, CostDrift
 from jaxserve.runtime import ModelRuntime
 from jaxserve.sched.base import Batch, CostModel, PlacementChange, Plan, Policy, Request, Stage, WorkerView
-from jaxserve.stages import Activations
-from jaxserve.workers import Step, StepOutput, ThreadWorker, Worker, summarize
+from jaxserve.workers import Step, StepOutput, ThreadWorker, Worker, gather_carry, summarize
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -119,7 +121,7 @@ class _Pending:
     item: Item
     request: Request
     future: asyncio.Future
-    carry: Any = None  # (Activations, row) after a non-final step of a stage that is not the last
+    carry: Any = None  # (activations or StoredCarry, row) after a non-final step of a stage that is not the last
     outputs: dict | None = None  # the answer a non-final step produced (a cascade may finish with it)
     cell: str = ""  # the last step's cell and batch size, for the answer
     batch_size: int = 0
@@ -479,15 +481,7 @@ class Engine:
             return Step(stage, batch.cell, tuple(self._payload(p, batch.model) for p in pendings), tasks)
         if any(p.carry is None for p in pendings):
             raise RuntimeError(f"a step of {stage.label()} needs its requests' activations; some have none")
-        source, _ = pendings[0].carry
-        rows = [row for _, row in (p.carry for p in pendings)]
-        same = all(p.carry[0] is source for p in pendings)
-        if same and rows == list(range(source.count)):
-            carry = source  # the previous step's batch as it was: no copy
-        else:
-            parts = [p.carry[0].rows([p.carry[1]]) for p in pendings]
-            carry = parts[0] if len(parts) == 1 else Activations.concat(parts)
-        return Step(stage, batch.cell, (), tasks, carry)
+        return Step(stage, batch.cell, (), tasks, gather_carry([p.carry for p in pendings]))
 
     @staticmethod
     def _payload(p: _Pending, model: str) -> Any:

@@ -8,8 +8,22 @@ same path there), loads each model with the server's assembly (``load_runtimes``
 builds stage runtimes for layer ranges (``jaxserve.stages``). It loads serialized
 executables; a compile there means the node's cache lacked a cell (its count is reported:
 :meth:`RayWorker.compilations`, and a warning at start). Steps go out as actor calls, and
-results (numpy arrays) come back through Ray's object store. A dead actor process makes
-every future of its steps raise :class:`~jaxserve.workers.WorkerDied`.
+answers come back through Ray's object store. A dead actor process makes every future of
+its steps raise :class:`~jaxserve.workers.WorkerDied`.
+
+**Activations between steps** (``WorkerSpec.handoff``). ``"store"`` (the default): a
+non-final step's activations stay out of the driver. The actor returns them as a second
+object (host arrays) that the driver never fetches (it holds a
+:class:`~jaxserve.workers.StoredCarry`), and keeps its own copy (device arrays, the last
+:data:`KEPT_CARRIES`). The next step on the same actor uses that copy and moves nothing;
+a step on another actor names the object, which Ray hands over store to actor (zero-copy
+on one node), and takes its rows there (:class:`~jaxserve.workers.CarryParts`: AsyFunc's
+shadow gets only its rows, and the body merges the shadow's part with its own). Objects
+under Ray's inline limit (100 KB) travel inside the call. ``"driver"``: the step returns
+its activations to the driver as numpy arrays and the next step sends them back (the hand-off
+before, kept for comparison: ``bench/workers.py``). Stored activations live as long as the
+driver's handle on them (a request's carry until its next step finishes); on one node they
+outlive the actor that made them (the node's object store holds them).
 
 Filling a node's compile cache: run ``jaxserve warmup`` on that node with the flags the
 server gets (models, grids, precision, heads/prompts, ``--no-tune``, ``--tune-attention`` or neither) and the same
@@ -25,11 +39,14 @@ Needs the optional extra: ``pip install 'jaxserve[ray]'``.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import os
 import socket
 import threading
 import time
+from collections import Counter, OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +59,7 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
     raise ImportError("Ray workers need the ray extra: pip install 'jaxserve[ray]'") from exc
 
 from jaxserve.sched.base import Stage
-from jaxserve.workers import Holdings, Step, StepOutput, Worker, WorkerDied, run_step
+from jaxserve.workers import CarryParts, Holdings, Step, StepOutput, StoredCarry, Worker, WorkerDied, run_step
 
 log = logging.getLogger("jaxserve.ray_workers")
 
@@ -52,6 +69,10 @@ _DEATH = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.e
 # environment variables that enter the compile cache keys or choose the backend
 _ENV_PREFIXES = ("JAX_", "XLA_", "JAXSERVE_")
 DEFAULT_OBJECT_STORE_MB = 256
+KEPT_CARRIES = 8  # activations an actor keeps on its device for its own next steps (the most recent)
+HANDOFFS = ("store", "driver")
+_WORKER_UIDS = itertools.count(1)  # a RayWorker's identity in this process (a worker id may be reused)
+_CARRY_TOKENS = itertools.count(1)  # one per step: the key of the activations it leaves
 
 
 def _absolute(path: str | None) -> str | None:
@@ -66,7 +87,9 @@ class WorkerSpec:
     ``env``: variables set in the actor before it imports JAX. ``prime``: run every cell
     of a loaded model once before reporting ready, as the server does before ready.
     ``cpus``: the CPU ids the actor's process is pinned to (every thread, before JAX starts, so
-    XLA sizes its thread pool to them: :func:`pin_process`); empty: not pinned."""
+    XLA sizes its thread pool to them: :func:`pin_process`); empty: not pinned. ``handoff``:
+    where a step's activations wait for the next step (module docstring): ``"store"`` or
+    ``"driver"``."""
 
     models: tuple[str, ...]
     cache_dir: str | None
@@ -79,6 +102,11 @@ class WorkerSpec:
     env: tuple[tuple[str, str], ...] = ()
     prime: bool = True
     cpus: tuple[int, ...] = ()
+    handoff: str = "store"
+
+    def __post_init__(self) -> None:
+        if self.handoff not in HANDOFFS:
+            raise ValueError(f"handoff must be one of {', '.join(HANDOFFS)}, not {self.handoff!r}")
 
     @classmethod
     def from_settings(cls, settings: Any, env: dict[str, str] | None = None, prime: bool = True) -> "WorkerSpec":
@@ -141,6 +169,8 @@ class StageHost:
         self._cache = None
         self._parents: dict[str, Any] = {}  # model -> whole-model runtime
         self._runners: dict[Stage, Any] = {}
+        self._kept: OrderedDict[int, Any] = OrderedDict()  # token -> activations this actor made (device arrays)
+        self._handoffs: Counter = Counter()  # how the parts of its steps' activations arrived
 
     # ------------------------------------------------------------------ loading
     def _open_cache(self):
@@ -223,17 +253,55 @@ class StageHost:
         return sorted(os.sched_getaffinity(0))
 
     # ------------------------------------------------------------------ steps
-    def run(self, step: Step) -> StepOutput:
+    def _run(self, step: Step) -> StepOutput:
         runner = self._runners.get(step.stage)
         if runner is None:
             raise KeyError(f"this actor does not hold {step.stage.label()}")
-        out = run_step(runner, step)
-        if out.carry is not None:  # device arrays leave as numpy, through the object store
-            import jax
-            import numpy as np
+        return run_step(runner, step)
 
-            out.carry = jax.tree_util.tree_map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, out.carry)
+    def run(self, step: Step) -> StepOutput:
+        """Run ``step``; its activations (if any) come back in the output as numpy arrays
+        (the ``"driver"`` hand-off)."""
+        out = self._run(step)
+        if out.carry is not None:  # device arrays leave as numpy, through the object store
+            out.carry = _host(out.carry)
         return out
+
+    def run_stored(self, step: Step, parts: tuple = (), token: int = 0, *resolved: Any) -> tuple:
+        """Run ``step`` (the ``"store"`` hand-off; called with two returns). ``parts``: where
+        its activations come from, per part ``("kept", token, [ref], rows)`` (this actor's
+        own, by ``token``; the nested ``ref`` is read only if they were dropped),
+        ``("ref", i, rows)`` (``resolved[i]``, which Ray fetched from the object store) or
+        ``("inline", activations, rows)``; ``rows`` None takes all of a part as it is.
+        Returns (the output with ``carry`` the activations' row count, or None; the
+        activations as host arrays, or None), and keeps the activations under ``token``."""
+        if parts:
+            sources = tuple((self._source(entry, resolved), entry[-1]) for entry in parts)
+            step = dataclasses.replace(step, carry=CarryParts(sources).gather())
+        out = self._run(step)
+        if out.carry is None:
+            return out, None
+        self._kept[token] = out.carry
+        while len(self._kept) > KEPT_CARRIES:
+            self._kept.popitem(last=False)
+        return StepOutput(out.items, out.carry.count, out.compute_seconds), _host(out.carry)
+
+    def _source(self, entry: tuple, resolved: tuple) -> Any:
+        kind = entry[0]
+        if kind == "kept":
+            kept = self._kept.get(entry[1])
+            if kept is not None:
+                self._handoffs["kept"] += 1
+                return kept
+            self._handoffs["store"] += 1
+            return ray.get(entry[2][0])
+        self._handoffs["store" if kind == "ref" else kind] += 1
+        return resolved[entry[1]] if kind == "ref" else entry[1]
+
+    def handoffs(self) -> dict[str, int]:
+        """How the parts of this actor's steps' activations arrived so far: ``kept`` (its
+        own, on its device), ``store`` (from Ray's object store), ``inline`` (in the call)."""
+        return dict(self._handoffs)
 
     def echo(self, value: Any) -> Any:
         """Return ``value`` (round trips and transfers, for bench/workers.py)."""
@@ -244,6 +312,14 @@ class StageHost:
         import numpy as np
 
         return int(sum(np.asarray(v).nbytes for v in (value if isinstance(value, (list, tuple)) else [value])))
+
+
+def _host(carry: Any) -> Any:
+    """``carry`` with its device arrays as numpy (what leaves the actor's process)."""
+    import jax
+    import numpy as np
+
+    return jax.tree_util.tree_map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, carry)
 
 
 _HostActor = ray.remote(StageHost)
@@ -273,6 +349,7 @@ class RayWorker(Worker):
         self._dead = False
         self._closed = False
         self._actor = None
+        self.uid = next(_WORKER_UIDS)
         self.ready: Future = self._start()
 
     # ------------------------------------------------------------------ actor life
@@ -330,6 +407,40 @@ class RayWorker(Worker):
 
     # ------------------------------------------------------------------ Worker
     def submit(self, step: Step) -> Future:
+        if self.spec.handoff == "driver":
+            return self._submit_through_driver(step)
+        carry, parts, refs = step.carry, [], []
+        with self._state:
+            if self._closed:
+                raise RuntimeError(f"worker {self.id} is closed")
+            if step.stage not in self._stages:
+                raise KeyError(f"worker {self.id} does not hold {step.stage.label()}")
+            holder, token = (self.uid, self._generation), next(_CARRY_TOKENS)
+            if isinstance(carry, (StoredCarry, CarryParts)):
+                for src, rows in (carry.parts if isinstance(carry, CarryParts) else ((carry, None),)):
+                    if not isinstance(src, StoredCarry):
+                        parts.append(("inline", _host(src), rows))
+                    elif src.holder == holder:
+                        parts.append(("kept", src.token, [src.ref], rows))  # nested: Ray leaves it unread
+                    else:
+                        parts.append(("ref", len(refs), rows))
+                        refs.append(src.ref)  # an argument: Ray hands its object to the actor
+                step = dataclasses.replace(step, carry=None)
+            generation = self._generation
+            ref, carry_ref = self._actor.run_stored.options(num_returns=2).remote(step, tuple(parts), token, *refs)
+
+        def finished(out: StepOutput) -> StepOutput:
+            self._add_busy(out.compute_seconds)
+            if out.carry is not None:  # its row count: the activations wait in the store and the actor
+                out.carry = StoredCarry(carry_ref, int(out.carry), holder, token)
+            return out
+
+        return self._future(ref, generation, finished)
+
+    def _submit_through_driver(self, step: Step) -> Future:
+        if isinstance(step.carry, (StoredCarry, CarryParts)):  # made by a "store" worker: fetched here
+            parts = step.carry if isinstance(step.carry, CarryParts) else CarryParts(((step.carry, None),))
+            step = dataclasses.replace(step, carry=parts.gather(lambda src: ray.get(src.ref)))
         with self._state:
             if self._closed:
                 raise RuntimeError(f"worker {self.id} is closed")
@@ -439,6 +550,12 @@ class RayWorker(Worker):
         with self._state:
             actor = self._actor
         return ray.get(actor.compilations.remote())
+
+    def handoffs(self) -> dict[str, int]:
+        """:meth:`StageHost.handoffs` of the actor (one call, queued behind earlier steps)."""
+        with self._state:
+            actor = self._actor
+        return ray.get(actor.handoffs.remote())
 
     @property
     def actor(self):

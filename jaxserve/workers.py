@@ -36,7 +36,8 @@ class Step:
     """One unit of work: run ``cell`` of ``stage`` (a layer range of ``stage.model``; a
     whole model is the full range) on a batch. The first stage (and a whole model)
     takes ``payloads`` (token ids or images) and ``tasks``; a later stage takes
-    ``carry``, the activations its predecessor produced, padded to the same cell."""
+    ``carry``, the activations its predecessor produced (:func:`gather_carry`: an
+    :class:`~jaxserve.stages.Activations`, a :class:`StoredCarry` or a :class:`CarryParts`)."""
 
     stage: Stage
     cell: Cell
@@ -48,11 +49,85 @@ class Step:
 @dataclass
 class StepOutput:
     """A step's result: ``items`` (one dict per real row, as an answer holds them) from a
-    last stage or whole model, else ``carry`` for the next stage."""
+    last stage or whole model, else ``carry`` for the next stage: the activations
+    themselves (a worker in this process) or a :class:`StoredCarry` (a worker in its own
+    process, whose activations stay out of the driver)."""
 
     items: list[dict] | None
     carry: Any
     compute_seconds: float
+
+
+@dataclass(frozen=True, eq=False)
+class StoredCarry:
+    """Activations a step left where it ran instead of sending them to the driver: ``ref``
+    names them in Ray's object store (host arrays, for a step on another worker), and the
+    worker that made them keeps its own copy (device arrays) under ``token``, so its next
+    step on them moves nothing. ``holder``: that worker's identity (:attr:`Worker.uid`,
+    restart generation). ``count``: their real rows, as :class:`~jaxserve.stages.Activations`."""
+
+    ref: Any
+    count: int
+    holder: tuple[int, int]
+    token: int
+
+
+@dataclass(frozen=True)
+class CarryParts:
+    """A later step's activations as the rows to take from each source, gathered where the
+    step runs: ``parts`` are (source, rows) with ``source`` an
+    :class:`~jaxserve.stages.Activations` or a :class:`StoredCarry` and ``rows`` its real rows
+    in order (None: all of them, as they are). Made by :func:`gather_carry` when a source is
+    stored; the step's worker resolves it (:meth:`gather`)."""
+
+    parts: tuple[tuple[Any, tuple[int, ...] | None], ...]
+
+    @property
+    def count(self) -> int:
+        return sum(src.count if rows is None else len(rows) for src, rows in self.parts)
+
+    def gather(self, resolve: Callable[[Any], Any] | None = None) -> Any:
+        """The activations: each part's source (``resolve(source)`` for a stored one), its
+        rows taken, concatenated in order (a single whole part: the source as it is)."""
+        from jaxserve.stages import Activations
+
+        def source(src: Any) -> Any:
+            if isinstance(src, StoredCarry):
+                if resolve is None:
+                    raise TypeError("stored activations reach only a worker that can read Ray's object store")
+                return resolve(src)
+            return src
+
+        if len(self.parts) == 1 and self.parts[0][1] is None:
+            return source(self.parts[0][0])
+        taken = [(s if rows is None else s.rows(list(rows))) for s, rows in
+                 ((source(src), rows) for src, rows in self.parts)]
+        return taken[0] if len(taken) == 1 else Activations.concat(taken)
+
+
+def gather_carry(pairs: Sequence[tuple[Any, int]]) -> Any:
+    """The carry of a step whose rows come from ``pairs``: (activations or
+    :class:`StoredCarry`, row) per request, in the step's order. The same source's rows all
+    in order: that source as it is (no copy; on the device for a worker's own activations).
+    Else consecutive rows of one source form one part: gathered here into one
+    :class:`~jaxserve.stages.Activations` when every source is in this process, else a
+    :class:`CarryParts` the step's worker gathers (stored activations never pass through
+    the driver)."""
+    from jaxserve.stages import Activations
+
+    source = pairs[0][0]
+    if all(s is source for s, _ in pairs) and [r for _, r in pairs] == list(range(source.count)):
+        return source
+    parts: list[tuple[Any, list[int]]] = []
+    for src, row in pairs:
+        if parts and parts[-1][0] is src:
+            parts[-1][1].append(row)
+        else:
+            parts.append((src, [row]))
+    if any(isinstance(src, StoredCarry) for src, _ in parts):
+        return CarryParts(tuple((src, tuple(rows)) for src, rows in parts))
+    taken = [src.rows(rows) for src, rows in parts]
+    return taken[0] if len(taken) == 1 else Activations.concat(taken)
 
 
 @dataclass(frozen=True)
@@ -112,7 +187,8 @@ def run_step(runner: Any, step: Step) -> StepOutput:
     if step.stage.whole and not hasattr(runner, "stage"):
         out = runner.execute(step.cell, list(step.payloads), list(step.tasks))
         return StepOutput(out.items, None, out.compute_seconds)
-    res = runner.execute(step.cell, list(step.payloads), list(step.tasks), step.carry)
+    carry = step.carry.gather() if isinstance(step.carry, CarryParts) else step.carry
+    res = runner.execute(step.cell, list(step.payloads), list(step.tasks), carry)
     return StepOutput(res.items, res.carry, res.compute_seconds)
 
 

@@ -8,6 +8,7 @@ bucket 16; the demo ViT batch 1, 2) keeps the module to a few actor starts.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from jaxserve.compile_cache import CompileCache
 from jaxserve.datasets import digits_examples
 from jaxserve.ray_workers import RayWorker, WorkerSpec, ensure_ray, make_ray_workers
 from jaxserve.sched.base import Cell, ShapeGrid, Stage
-from jaxserve.workers import Step, StepOutput, ThreadWorker, WorkerDied
+from jaxserve.workers import CarryParts, Step, StepOutput, StoredCarry, ThreadWorker, WorkerDied, gather_carry
 
 try:
     from jaxserve.launch import ServeSettings, load_runtimes
@@ -125,8 +126,10 @@ def test_a_step_of_a_stage_it_does_not_hold_is_refused(worker, runtimes):
 
 
 def test_a_pipeline_of_two_actors_answers_as_the_whole_model(settings, runtimes, worker, cluster):
-    """MiniLM cut at layer 3: the first stage in one actor, the last in another; the hidden
-    states travel between them as numpy arrays, through Ray's object store."""
+    """MiniLM cut at layer 3: the first stage in one actor, the last in another. The hidden
+    states wait in Ray's object store and go from there to the second actor; the driver
+    holds only their name. With the "driver" hand-off they come back here as numpy arrays,
+    and the answers are the same."""
     from jaxserve.stages import build_stage_runtimes, split_stages
 
     rt = runtimes["minilm-l6"]
@@ -134,19 +137,66 @@ def test_a_pipeline_of_two_actors_answers_as_the_whole_model(settings, runtimes,
     # the node's warmup of the stages' executables, with the loaders' tuning
     build_stage_runtimes(rt, (first, last), CompileCache(settings.cache_dir), tune=settings.tune)
     (tail,) = make_ray_workers(settings, 1, [[last]], first_id=5)
+    driver_spec = dataclasses.replace(WorkerSpec.from_settings(settings), handoff="driver")
+    driven = [RayWorker(6, driver_spec, [first]), RayWorker(7, driver_spec, [last])]
     try:
         assert worker.load(first).result(timeout=WAIT) > 0
         step = text_step(runtimes)
+        whole_out = worker.submit(step).result(timeout=WAIT)
         head = worker.submit(Step(first, step.cell, step.payloads, step.tasks)).result(timeout=WAIT)
-        assert head.items is None and head.carry.count == 2
-        assert isinstance(head.carry.arrays["hidden"], np.ndarray) and head.carry.arrays["hidden"].shape == (2, 16, 384)
+        assert head.items is None and isinstance(head.carry, StoredCarry) and head.carry.count == 2
+        assert not hasattr(head.carry, "arrays")  # nothing of them in this process
+        stored = ray.get(head.carry.ref)  # (read here only to check them)
+        assert stored.arrays["hidden"].shape == (2, 16, 384)
         out = tail.submit(Step(last, step.cell, (), step.tasks, head.carry)).result(timeout=WAIT)
-        assert_same(out, worker.submit(step).result(timeout=WAIT))
+        assert_same(out, whole_out)
+        assert tail.handoffs() == {"store": 1}
         assert worker.holdings().stages == {first, whole(runtimes, "minilm-l6")}
         assert worker.compilations() == 0 and tail.compilations() == 0
+
+        head = driven[0].submit(Step(first, step.cell, step.payloads, step.tasks)).result(timeout=WAIT)
+        assert isinstance(head.carry.arrays["hidden"], np.ndarray)
+        np.testing.assert_allclose(head.carry.arrays["hidden"], stored.arrays["hidden"], atol=1e-6, rtol=0)
+        assert_same(driven[1].submit(Step(last, step.cell, (), step.tasks, head.carry)).result(timeout=WAIT),
+                    whole_out)
+        assert driven[1].handoffs() == {}  # the arrays came inside the call
     finally:
         worker.unload(first)
-        tail.close()
+        for w in (tail, *driven):
+            w.close()
+
+
+def test_a_split_step_takes_rows_where_they_wait_and_merges_them_back(settings, runtimes, cluster):
+    """AsyFunc's split on two actors: a body holding MiniLM as three stages and a shadow holding
+    the middle one. The body runs the first stage on two rows, the middle one on row 0 (its own
+    activations, still on its device: nothing moves) while the shadow runs it on row 1 (from
+    the object store); the body then merges both parts in its last stage. The answers are the
+    whole model's, and the driver gathered nothing."""
+    from jaxserve.stages import build_stage_runtimes, split_stages
+
+    rt = runtimes["minilm-l6"]
+    first, mid, last = split_stages("minilm-l6", rt.num_layers, (2, 4))
+    build_stage_runtimes(rt, (first, mid, last), CompileCache(settings.cache_dir), tune=settings.tune)
+    body, shadow = make_ray_workers(settings, 2, [[first, mid, last], [mid]], first_id=8)
+    try:
+        step = text_step(runtimes)
+        ones = Cell(1, step.cell.seq)
+        s1 = body.submit(Step(first, step.cell, step.payloads, step.tasks)).result(timeout=WAIT)
+        mine = gather_carry([(s1.carry, 0)])
+        theirs = gather_carry([(s1.carry, 1)])
+        assert isinstance(mine, CarryParts) and mine.count == 1
+        fa, fb = body.submit(Step(mid, ones, (), step.tasks[:1], mine)), \
+            shadow.submit(Step(mid, ones, (), step.tasks[1:], theirs))
+        a, b = fa.result(timeout=WAIT), fb.result(timeout=WAIT)
+        merged = gather_carry([(a.carry, 0), (b.carry, 0)])
+        assert isinstance(merged, CarryParts) and merged.count == 2
+        out = body.submit(Step(last, step.cell, (), step.tasks, merged)).result(timeout=WAIT)
+        assert_same(out, runtimes["minilm-l6"].execute(step.cell, list(step.payloads), list(step.tasks)))
+        assert body.handoffs() == {"kept": 2, "store": 1} and shadow.handoffs() == {"store": 1}
+        assert body.compilations() == 0 and shadow.compilations() == 0
+    finally:
+        body.close()
+        shadow.close()
 
 
 def test_load_then_unload_a_stage(settings, runtimes, cluster):
