@@ -156,7 +156,7 @@ def _gone(pid: int, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def ray_measure(seconds: float, rounds: int) -> dict:
+def ray_measure(seconds: float, rounds: int, handoff_repeats: int = 100) -> dict:
     """Every number of the ray section, from this process: a local Ray first (before JAX
     starts here), then the thread workers' runtime loaded into a fresh cache (which the actors
     then load from), then ``rounds`` interleaved rounds of threads and actors."""
@@ -204,12 +204,12 @@ def ray_measure(seconds: float, rounds: int) -> dict:
             del ref
         out["hops"] = hops
         out["compilations"] = [w.compilations() for w in actors]
-        out["handoff"] = handoff_measure(settings, rt, 100)
         pids = [w.pid() for w in actors]
         for w in actors + threads:
             w.close()
         for pid in pids:
             _gone(pid)
+        out["handoff"] = handoff_measure(settings, rt, handoff_repeats)  # its 4 actors after these 2 ended (4 logical CPUs)
         spec = WorkerSpec.from_settings(settings)
         fresh = RayWorker(10, spec, [stage])
         out["new_actor_ready_s"] = fresh.ready.result()
@@ -277,6 +277,7 @@ def handoff_measure(settings, rt, repeats: int) -> dict:
             lambda: fn("store"), lambda: fn("driver"), repeats)
     out.update({f"{k}_compute_s": float(np.median(v)) for k, v in compute.items()})
     out["carry_mb"] = 8 * 64 * 384 * 4 / 2**20
+    out["repeats"] = repeats
     out["handoffs_store_body"] = pairs["store"][0].handoffs()
     out["handoffs_store_shadow"] = pairs["store"][1].handoffs()
     for pair in pairs.values():
@@ -285,12 +286,12 @@ def handoff_measure(settings, rt, repeats: int) -> dict:
     return out
 
 
-def ray_section(seconds: float, rounds: int, write: bool) -> None:
+def ray_section(seconds: float, rounds: int, write: bool, handoff_repeats: int = 100) -> None:
     if "jax" in sys.modules:
         raise RuntimeError("the ray section sets XLA_FLAGS before JAX starts: run it first")
     os.environ["XLA_FLAGS"] = ONE_THREAD  # this process's thread workers and, passed on, every actor
     load_before = os.getloadavg()[0]
-    r = ray_measure(seconds, rounds)
+    r = ray_measure(seconds, rounds, handoff_repeats)
     load_after = os.getloadavg()[0]
     thr, ray_, ray2 = (float(np.median(r[k])) for k in ("threads", "ray", "ray_depth2"))
     ratio = {k: float(np.median(np.array(r[k]) / np.array(r["threads"]))) for k in ("ray", "ray_depth2")}
@@ -337,7 +338,7 @@ def ray_section(seconds: float, rounds: int, write: bool) -> None:
              "through `RayWorker.submit` and the same step through `ThreadWorker.submit`, timed alternately. Transfers: actor A returns an array that "
              "actor B takes as an argument (one copy into the object store, mapped by B on this one node); "
              "per MB is the slope of a least-squares fit over 0.75, 3, 12 and 48 MB (plus an 8-byte array), "
-             f"intercept {intercept * 1e3:.2f} ms. Hand-off: medians of 100 chains per hand-off, timed alternately "
+             f"intercept {intercept * 1e3:.2f} ms. Hand-off: medians of {h['repeats']} chains per hand-off, timed alternately "
              f"(the last column there: store / driver); {h['carry_mb']:.2f} MB of hidden states per full carry; "
              f"in the store arm the body took {h['handoffs_store_body']} and the shadow "
              f"{h['handoffs_store_shadow']} parts (kept: its own activations on its device). New actor: `RayWorker(...).ready` with the executables "
@@ -361,14 +362,15 @@ def main():
     ap.add_argument("--child", nargs=3, default=None)
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--rounds", type=int, default=3, help="ray section: interleaved rounds")
+    ap.add_argument("--handoff-repeats", type=int, default=100, help="ray section: chains per hand-off")
     ap.add_argument("--section", choices=("all", "threads", "ray"), default="all")
     ap.add_argument("--write", action="store_true")
-    add_quick(ap, seconds=1.0, rounds=1)
+    add_quick(ap, seconds=1.0, rounds=1, handoff_repeats=5)
     args = apply_quick(ap.parse_args())
     if args.child:
         return child(int(args.child[0]), int(args.child[1]), float(args.child[2]))
     if args.section in ("all", "ray"):
-        ray_section(args.seconds, args.rounds, args.write)
+        ray_section(args.seconds, args.rounds, args.write, args.handoff_repeats)
     if args.section == "ray":
         return
     rows = []
