@@ -93,8 +93,8 @@ def simulated(cache: str, cost, times: np.ndarray, lengths: np.ndarray, seed: in
     the stages priced at their share of the whole model, new replicas' loads priced by
     ``LoadModel``, activations at the measured Ray hop). ``ratios`` (stage label -> live busy /
     priced seconds, from another run): each stage's steps take their price times its ratio, which
-    holds the hop (live, the activations travel with the call), so no transfer is added; the
-    policy still plans with the profile, as live."""
+    holds the hop (live, a step's wall time includes taking its activations from Ray's object
+    store), so no transfer is added; the policy still plans with the profile, as live."""
     from jaxserve import traces
     from jaxserve.launch import make_quart_policy, with_quart
     from jaxserve.models.bert import BERT_CONFIGS

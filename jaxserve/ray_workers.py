@@ -267,20 +267,23 @@ class StageHost:
             out.carry = _host(out.carry)
         return out
 
-    def run_stored(self, step: Step, parts: tuple = (), token: int = 0, *resolved: Any) -> tuple:
-        """Run ``step`` (the ``"store"`` hand-off; called with two returns). ``parts``: where
+    def run_stored(self, step: Step, how: tuple | None = None, *resolved: Any) -> Any:
+        """Run ``step`` (the ``"store"`` hand-off). ``how``: None (a first stage or whole model),
+        or (``parts``, ``token``), one argument (Ray pays per argument). ``parts``: where
         its activations come from, per part ``("kept", token, [ref], rows)`` (this actor's
         own, by ``token``; the nested ``ref`` is read only if they were dropped),
         ``("ref", i, rows)`` (``resolved[i]``, which Ray fetched from the object store) or
         ``("inline", activations, rows)``; ``rows`` None takes all of a part as it is.
-        Returns (the output with ``carry`` the activations' row count, or None; the
-        activations as host arrays, or None), and keeps the activations under ``token``."""
+        A last stage (or whole model) makes no activations: returns its output (one return).
+        Else returns (the output with ``carry`` the activations' row count; the activations as
+        host arrays), two returns, and keeps the activations under ``token``."""
+        parts, token = how if how is not None else ((), 0)
         if parts:
             sources = tuple((self._source(entry, resolved), entry[-1]) for entry in parts)
             step = dataclasses.replace(step, carry=CarryParts(sources).gather())
         out = self._run(step)
-        if out.carry is None:
-            return out, None
+        if step.stage.last:
+            return out
         self._kept[token] = out.carry
         while len(self._kept) > KEPT_CARRIES:
             self._kept.popitem(last=False)
@@ -426,8 +429,14 @@ class RayWorker(Worker):
                         parts.append(("ref", len(refs), rows))
                         refs.append(src.ref)  # an argument: Ray hands its object to the actor
                 step = dataclasses.replace(step, carry=None)
-            generation = self._generation
-            ref, carry_ref = self._actor.run_stored.options(num_returns=2).remote(step, tuple(parts), token, *refs)
+            generation, call = self._generation, self._actor.run_stored
+            # Ray pays per argument and per return (~0.1 ms each here): a whole model's step is
+            # one argument and one return, as a plain call
+            args = (step,) if step.stage.last and not parts else (step, (tuple(parts), token), *refs)
+            if step.stage.last:
+                ref, carry_ref = call.remote(*args), None
+            else:
+                ref, carry_ref = call.options(num_returns=2).remote(*args)
 
         def finished(out: StepOutput) -> StepOutput:
             self._add_busy(out.compute_seconds)
