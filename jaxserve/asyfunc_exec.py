@@ -40,7 +40,7 @@ from jaxserve.compile_cache import CompileCache
 from jaxserve.runtime import ModelRuntime
 from jaxserve.sched.base import Cell, Stage
 from jaxserve.stages import Activations, StageRuntime, build_stage_runtimes, prime_stage
-from jaxserve.workers import Step, StepOutput, Worker, WorkerDied
+from jaxserve.workers import Step, StepOutput, Worker, WorkerDied, local_carry
 
 __all__ = ["Body", "PreparedBlock", "SplitTimes", "block_dir", "body_stages", "load_block", "load_image_block",
            "load_text_block", "modelled_seconds", "prepare_block", "prepare_image_block", "prepare_text_block",
@@ -173,7 +173,8 @@ class Body:
             items = [item for p in parts for item in p.items]
             t_post = time.perf_counter() - t2
         else:
-            merged = Activations.concat([p.carry for p in parts]) if len(parts) > 1 else parts[0].carry
+            carries = [local_carry(p.carry) for p in parts]  # a Ray shadow's rows wait in the object store
+            merged = Activations.concat(carries) if len(carries) > 1 else carries[0]
             res = self.runners[self.post].execute(cell, [], tasks, merged)
             items, t_post = res.items, time.perf_counter() - t2
         return items, SplitTimes(b, b_B, b - b_B, t_pre, t_pB, t_pS, shadow_wall, t_post,

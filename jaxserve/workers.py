@@ -105,6 +105,20 @@ class CarryParts:
         return taken[0] if len(taken) == 1 else Activations.concat(taken)
 
 
+def local_carry(carry: Any) -> Any:
+    """``carry`` as activations in this process: a :class:`StoredCarry` (or a
+    :class:`CarryParts` naming one) is read from Ray's object store; anything else is
+    returned as it is. For a caller that computes on a Ray worker's activations itself (an
+    in-process :class:`~jaxserve.asyfunc_exec.Body` merging its shadow's rows)."""
+    if isinstance(carry, StoredCarry):
+        carry = CarryParts(((carry, None),))
+    if isinstance(carry, CarryParts):
+        import ray
+
+        return carry.gather(lambda src: ray.get(src.ref))
+    return carry
+
+
 def gather_carry(pairs: Sequence[tuple[Any, int]]) -> Any:
     """The carry of a step whose rows come from ``pairs``: (activations or
     :class:`StoredCarry`, row) per request, in the step's order. The same source's rows all
