@@ -414,10 +414,7 @@ class RayWorker(Worker):
             return self._submit_through_driver(step)
         carry, parts, refs = step.carry, [], []
         with self._state:
-            if self._closed:
-                raise RuntimeError(f"worker {self.id} is closed")
-            if step.stage not in self._stages:
-                raise KeyError(f"worker {self.id} does not hold {step.stage.label()}")
+            self._check(step)
             holder, token = (self.uid, self._generation), next(_CARRY_TOKENS)
             if isinstance(carry, (StoredCarry, CarryParts)):
                 for src, rows in (carry.parts if isinstance(carry, CarryParts) else ((carry, None),)):
@@ -446,15 +443,19 @@ class RayWorker(Worker):
 
         return self._future(ref, generation, finished)
 
+    def _check(self, step: Step) -> None:
+        """Refuse a step this worker may not run (called holding ``_state``)."""
+        if self._closed:
+            raise RuntimeError(f"worker {self.id} is closed")
+        if step.stage not in self._stages:
+            raise KeyError(f"worker {self.id} does not hold {step.stage.label()}")
+
     def _submit_through_driver(self, step: Step) -> Future:
         if isinstance(step.carry, (StoredCarry, CarryParts)):  # made by a "store" worker: fetched here
             parts = step.carry if isinstance(step.carry, CarryParts) else CarryParts(((step.carry, None),))
             step = dataclasses.replace(step, carry=parts.gather(lambda src: ray.get(src.ref)))
         with self._state:
-            if self._closed:
-                raise RuntimeError(f"worker {self.id} is closed")
-            if step.stage not in self._stages:
-                raise KeyError(f"worker {self.id} does not hold {step.stage.label()}")
+            self._check(step)
             generation, ref = self._generation, self._actor.run.remote(step)
 
         def finished(out: StepOutput) -> StepOutput:

@@ -127,8 +127,6 @@ def gather_carry(pairs: Sequence[tuple[Any, int]]) -> Any:
     :class:`~jaxserve.stages.Activations` when every source is in this process, else a
     :class:`CarryParts` the step's worker gathers (stored activations never pass through
     the driver)."""
-    from jaxserve.stages import Activations
-
     source = pairs[0][0]
     if all(s is source for s, _ in pairs) and [r for _, r in pairs] == list(range(source.count)):
         return source
@@ -138,10 +136,8 @@ def gather_carry(pairs: Sequence[tuple[Any, int]]) -> Any:
             parts[-1][1].append(row)
         else:
             parts.append((src, [row]))
-    if any(isinstance(src, StoredCarry) for src, _ in parts):
-        return CarryParts(tuple((src, tuple(rows)) for src, rows in parts))
-    taken = [src.rows(rows) for src, rows in parts]
-    return taken[0] if len(taken) == 1 else Activations.concat(taken)
+    recipe = CarryParts(tuple((src, tuple(rows)) for src, rows in parts))
+    return recipe if any(isinstance(src, StoredCarry) for src, _ in parts) else recipe.gather()
 
 
 @dataclass(frozen=True)
