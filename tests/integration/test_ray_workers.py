@@ -20,7 +20,7 @@ import ray
 
 from jaxserve.compile_cache import CompileCache
 from jaxserve.datasets import digits_examples
-from jaxserve.ray_workers import RayWorker, WorkerSpec, ensure_ray, make_ray_workers
+from jaxserve.ray_workers import RayWorker, WorkerSpec, all_ready, ensure_ray, make_ray_workers
 from jaxserve.sched.base import Cell, ShapeGrid, Stage
 from jaxserve.workers import CarryParts, Step, StepOutput, StoredCarry, ThreadWorker, WorkerDied, gather_carry
 
@@ -138,7 +138,9 @@ def test_a_pipeline_of_two_actors_answers_as_the_whole_model(settings, runtimes,
     build_stage_runtimes(rt, (first, last), CompileCache(settings.cache_dir), tune=settings.tune)
     (tail,) = make_ray_workers(settings, 1, [[last]], first_id=5)
     driver_spec = dataclasses.replace(WorkerSpec.from_settings(settings), handoff="driver")
-    driven = [RayWorker(6, driver_spec, [first]), RayWorker(7, driver_spec, [last])]
+    # num_cpus=0: an earlier module may have left this process's Ray up with fewer logical CPUs
+    # than this module's actors would ask for together (they would wait for one for ever)
+    driven = [RayWorker(6, driver_spec, [first], num_cpus=0), RayWorker(7, driver_spec, [last], num_cpus=0)]
     try:
         assert worker.load(first).result(timeout=WAIT) > 0
         step = text_step(runtimes)
@@ -177,7 +179,9 @@ def test_a_split_step_takes_rows_where_they_wait_and_merges_them_back(settings, 
     rt = runtimes["minilm-l6"]
     first, mid, last = split_stages("minilm-l6", rt.num_layers, (2, 4))
     build_stage_runtimes(rt, (first, mid, last), CompileCache(settings.cache_dir), tune=settings.tune)
-    body, shadow = make_ray_workers(settings, 2, [[first, mid, last], [mid]], first_id=8)
+    spec = WorkerSpec.from_settings(settings)  # num_cpus=0: see the pipeline test above
+    body, shadow = RayWorker(8, spec, [first, mid, last], num_cpus=0), RayWorker(9, spec, [mid], num_cpus=0)
+    all_ready([body, shadow])
     try:
         step = text_step(runtimes)
         ones = Cell(1, step.cell.seq)
