@@ -59,7 +59,8 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
     raise ImportError("Ray workers need the ray extra: pip install 'jaxserve[ray]'") from exc
 
 from jaxserve.sched.base import Stage
-from jaxserve.workers import CarryParts, Holdings, Step, StepOutput, StoredCarry, Worker, WorkerDied, run_step
+from jaxserve.workers import (CarryParts, Holdings, Step, StepOutput, StoredCarry, Worker, WorkerDied, local_carry,
+                              run_step)
 
 log = logging.getLogger("jaxserve.ray_workers")
 
@@ -452,8 +453,7 @@ class RayWorker(Worker):
 
     def _submit_through_driver(self, step: Step) -> Future:
         if isinstance(step.carry, (StoredCarry, CarryParts)):  # made by a "store" worker: fetched here
-            parts = step.carry if isinstance(step.carry, CarryParts) else CarryParts(((step.carry, None),))
-            step = dataclasses.replace(step, carry=parts.gather(lambda src: ray.get(src.ref)))
+            step = dataclasses.replace(step, carry=local_carry(step.carry))
         with self._state:
             self._check(step)
             generation, ref = self._generation, self._actor.run.remote(step)

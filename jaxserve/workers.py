@@ -63,7 +63,7 @@ class StoredCarry:
     """Activations a step left where it ran instead of sending them to the driver: ``ref``
     names them in Ray's object store (host arrays, for a step on another worker), and the
     worker that made them keeps its own copy (device arrays) under ``token``, so its next
-    step on them moves nothing. ``holder``: that worker's identity (:attr:`Worker.uid`,
+    step on them moves nothing. ``holder``: that worker's identity (``RayWorker.uid``,
     restart generation). ``count``: their real rows, as :class:`~jaxserve.stages.Activations`."""
 
     ref: Any
