@@ -52,7 +52,6 @@ _SYMBOL = "JaxserveFusedAttention"
 _POS_BIAS_SYMBOL = "JaxserveFusedAttentionPosBias"
 _FLAGS = ("-O3", "-std=c++17", "-ffp-contract=fast", "-fPIC", "-shared", "-w")
 _ARCH_FLAGS = ("-march=native",)  # dropped on a compiler that refuses it
-
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxserve_attention", default=None)
 
 
@@ -79,13 +78,18 @@ def kernel_dir() -> Path:
     return Path(cache_home) / "jaxserve" / "kernels"
 
 
-def _compiler() -> str | None:
-    for candidate in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+def _find_compiler(candidates: tuple[str | None, ...]) -> str | None:
+    for candidate in candidates:
         if candidate:
             found = shutil.which(candidate)
             if found:
                 return found
     return None
+
+
+def _compiler() -> str | None:
+    """The C++ compiler: ``$CXX``, else g++, c++ or clang++."""
+    return _find_compiler((os.environ.get("CXX"), "g++", "c++", "clang++"))
 
 
 def _compiler_version(cxx: str) -> str:
@@ -108,27 +112,64 @@ def _check_trusted(path: Path, *, directory: bool) -> None:
         raise PermissionError(f"kernel {kind} {path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})")
 
 
-def _build(source: Path, out: Path, cxx: str, defines: dict[str, str]) -> None:
-    import jax.ffi
+def _build_id(*parts: bytes) -> str:
+    """A library's build id: the hash of what went into it (each part NUL-terminated)."""
+    ident = hashlib.sha256()
+    for part in parts:
+        ident.update(part + b"\0")
+    return ident.hexdigest()[:16]
 
-    defs = [f"-D{k}={v}" for k, v in sorted(defines.items())]
-    base = [cxx, *_FLAGS, *defs, "-I", jax.ffi.include_dir(), str(source)]
+
+def _compile(command: list[str], out: Path, arch_flags: tuple[str, ...] = ()) -> None:
+    """Run ``command`` (compiler first, then its flags and sources) with ``-o`` a temporary file
+    beside ``out``, made 0700 and renamed onto ``out`` (atomic: a reader sees no half-written
+    library). With ``arch_flags``, first tried right after the compiler, then without them."""
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     os.close(fd)
     try:
-        for arch in (_ARCH_FLAGS, ()):
-            proc = subprocess.run([*base[:1], *arch, *base[1:], "-o", tmp], capture_output=True, text=True,
+        for arch in (arch_flags, ()) if arch_flags else ((),):
+            proc = subprocess.run([*command[:1], *arch, *command[1:], "-o", tmp], capture_output=True, text=True,
                                   timeout=300)
             if proc.returncode == 0:
                 break
         else:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-            raise RuntimeError(f"{Path(cxx).name} failed (exit {proc.returncode}): " + " | ".join(tail))
+            raise RuntimeError(f"{Path(command[0]).name} failed (exit {proc.returncode}): " + " | ".join(tail))
         os.chmod(tmp, 0o700)
         os.replace(tmp, out)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+def _build(source: Path, out: Path, cxx: str, defines: dict[str, str]) -> None:
+    import jax.ffi
+
+    defs = [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    _compile([cxx, *_FLAGS, *defs, "-I", jax.ffi.include_dir(), str(source)], out, _ARCH_FLAGS)
+
+
+def _built_library(directory: Path, name: str, build, what: str) -> tuple[Path, float]:
+    """``directory / name``, built by ``build(path)`` unless already there: the directory is made
+    0700 and must be trusted (:func:`_check_trusted`), one builder per directory at a time (a file
+    lock), and the library must be trusted too. Returns (path, build seconds: 0.0 if reused)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _check_trusted(directory, directory=True)
+    path = directory / name
+    seconds = 0.0
+    lock = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per directory at a time
+        if not path.exists():
+            t0 = time.perf_counter()
+            build(path)
+            seconds = time.perf_counter() - t0
+            log.info("built the %s in %.1f s: %s", what, seconds, path)
+    finally:
+        os.close(lock)  # releases the lock
+    _check_trusted(path, directory=False)
+    return path, seconds
 
 
 def build_kernel(target: str = ATTENTION_TARGET, defines: dict[str, str] | None = None,
@@ -145,28 +186,10 @@ def build_kernel(target: str = ATTENTION_TARGET, defines: dict[str, str] | None 
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     defines = dict(defines or {})
-    ident = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), _compiler_version(cxx).encode(), " ".join(_FLAGS + _ARCH_FLAGS).encode(),
-                 repr(sorted(defines.items())).encode(), jaxlib.__version__.encode(), host_cpu().encode()):
-        ident.update(part + b"\0")
-    build_id = ident.hexdigest()[:16]
-
-    directory = Path(directory) if directory is not None else kernel_dir()
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    _check_trusted(directory, directory=True)
-    path = directory / f"attention-{build_id}.so"
-    seconds = 0.0
-    lock = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per directory at a time
-        if not path.exists():
-            t0 = time.perf_counter()
-            _build(SOURCE, path, cxx, defines)
-            seconds = time.perf_counter() - t0
-            log.info("built the fused attention kernel in %.1f s: %s", seconds, path)
-    finally:
-        os.close(lock)  # releases the lock
-    _check_trusted(path, directory=False)
+    build_id = _build_id(SOURCE.read_bytes(), _compiler_version(cxx).encode(), " ".join(_FLAGS + _ARCH_FLAGS).encode(),
+                         repr(sorted(defines.items())).encode(), jaxlib.__version__.encode(), host_cpu().encode())
+    path, seconds = _built_library(directory if directory is not None else kernel_dir(), f"attention-{build_id}.so",
+                                   lambda out: _build(SOURCE, out, cxx, defines), "fused attention kernel")
     library = ctypes.CDLL(str(path))
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, _SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(target + "_pos_bias", jax.ffi.pycapsule(getattr(library, _POS_BIAS_SYMBOL)),
@@ -243,3 +266,4 @@ def xla_attention():
             yield
         finally:
             jax.clear_caches()
+
