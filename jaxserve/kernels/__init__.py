@@ -19,6 +19,13 @@ sequences. Which one a process uses is part of every compile-cache key
 process using the other, and an executable that calls the kernel is only deserialized
 after the kernel is registered (computing the key registers it).
 
+Beside it, one plain C library that XLA never calls: OTAS's Alg. 2 dynamic program
+(``otas_dp.c``, :func:`otas_dp_library`; :func:`jaxserve.sched.otas.solve_token_dp` calls it
+through ctypes). It is built the same way, with the system C compiler (``$CC``, else gcc, cc
+or clang), ``-O2`` without fast-math or FMA contraction (its labels must equal numpy's to the
+bit), once per (source, compiler, flags, machine), into the same kernel directory, on the
+first DP a process solves. Nothing on its path imports jax (the schedulers must not).
+
 The kernel directory holds native code this process loads: like ``compiled_cache/``, it is
 trusted code. It is created 0700, libraries are written 0700 and atomically, and a
 library or directory that another user owns or could write is refused (with a warning),
@@ -35,6 +42,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import stat
 import subprocess
@@ -52,6 +60,11 @@ _SYMBOL = "JaxserveFusedAttention"
 _POS_BIAS_SYMBOL = "JaxserveFusedAttentionPosBias"
 _FLAGS = ("-O3", "-std=c++17", "-ffp-contract=fast", "-fPIC", "-shared", "-w")
 _ARCH_FLAGS = ("-march=native",)  # dropped on a compiler that refuses it
+OTAS_DP_SOURCE = Path(__file__).resolve().parent / "otas_dp.c"
+_OTAS_DP_SYMBOL = "jaxserve_otas_dp"
+# IEEE doubles as Python and numpy compute them: no fast-math, no fused multiply-add, no -march
+_OTAS_DP_FLAGS = ("-O2", "-std=c11", "-fno-fast-math", "-ffp-contract=off", "-fPIC", "-shared")
+
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxserve_attention", default=None)
 
 
@@ -90,6 +103,11 @@ def _find_compiler(candidates: tuple[str | None, ...]) -> str | None:
 def _compiler() -> str | None:
     """The C++ compiler: ``$CXX``, else g++, c++ or clang++."""
     return _find_compiler((os.environ.get("CXX"), "g++", "c++", "clang++"))
+
+
+def _c_compiler() -> str | None:
+    """The C compiler: ``$CC``, else gcc, cc or clang."""
+    return _find_compiler((os.environ.get("CC"), "gcc", "cc", "clang"))
 
 
 def _compiler_version(cxx: str) -> str:
@@ -267,3 +285,45 @@ def xla_attention():
         finally:
             jax.clear_caches()
 
+
+@dataclass(frozen=True)
+class NativeDP:
+    """The loaded OTAS DP library: ``solve`` is its ``jaxserve_otas_dp`` (argument and return
+    types set; the contract is in otas_dp.c's header)."""
+
+    solve: object  # ctypes function
+    path: Path
+    build_id: str  # hash of source, compiler, flags and machine
+    built_seconds: float  # 0.0 when an earlier build was reused
+
+
+def build_otas_dp(directory: Path | None = None) -> NativeDP:
+    """Build (or reuse) and load the OTAS DP library (otas_dp.c) in ``directory`` (default
+    :func:`kernel_dir`). Raises if it cannot: no C compiler, a failed build, an untrusted
+    directory or library."""
+    cc = _c_compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    build_id = _build_id(OTAS_DP_SOURCE.read_bytes(), _compiler_version(cc).encode(), " ".join(_OTAS_DP_FLAGS).encode(),
+                         f"{platform.system()} {platform.machine()}".encode())
+    path, seconds = _built_library(directory if directory is not None else kernel_dir(), f"otas_dp-{build_id}.so",
+                                   lambda out: _compile([cc, *_OTAS_DP_FLAGS, str(OTAS_DP_SOURCE)], out),
+                                   "native OTAS DP")
+    library = ctypes.CDLL(str(path))
+    solve = getattr(library, _OTAS_DP_SYMBOL)
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    solve.argtypes = (i64, ptr, ptr, ctypes.c_double, i64, i64, ptr, ptr, ptr, ptr)
+    solve.restype = i64
+    _LIBRARIES.append(library)
+    return NativeDP(solve=solve, path=path, build_id=build_id, built_seconds=seconds)
+
+
+@functools.cache
+def otas_dp_library() -> NativeDP | None:
+    """This process's OTAS DP library, built and loaded on first call; None where it could not
+    be (the reason is logged once: the DP then runs in Python/numpy, the same answers)."""
+    try:
+        return build_otas_dp()
+    except Exception as exc:  # no compiler, a failed build, an untrusted directory, a library that will not load
+        log.warning("native OTAS DP unavailable, the DP runs in Python/numpy: %s", exc)
+        return None
