@@ -14,7 +14,8 @@ the gamma (or, for INFaaS, the model variant) of each batch:
 * :class:`INFaaSPolicy` — model switching among variants (e.g. ViT-S/B/L), paying the
   target variant's load time each time it changes variant, with hysteresis (``hold``).
 
-Everything is plain Python (numpy for the DP's large stages): the clock is the ``now``
+Everything is plain Python (numpy for the DP's large stages; the whole DP in C where a C
+compiler can build it, :func:`solve_token_dp`, with the same answers to the bit): the clock is the ``now``
 argument, costs come from the profiles (:class:`~jaxserve.sched.base.LatencyProfile`,
 :class:`~jaxserve.sched.base.AccuracyProfile`), decisions come back as a
 :class:`~jaxserve.sched.base.Plan`.
@@ -119,6 +120,8 @@ server keeps (oldest dropped).
 from __future__ import annotations
 
 import math
+import os
+import struct
 from bisect import bisect_left, insort
 from collections import Counter, OrderedDict, deque
 from heapq import heapify, heappop, heappush
@@ -287,6 +290,15 @@ def solve_token_dp(
     may arise, :func:`_dp_stage_numpy`), a small one in Python (:func:`_dp_stage_python`):
     the same floating-point operations, hence the same labels to the bit
     (tests/unit/test_otas_sched.py compares them with a plain transcription).
+
+    Where no NaN can arise (``start`` is not NaN, every option finite: :attr:`_DPStage.plain`;
+    and every number a float or an int: :attr:`_DPStage.native`) the whole DP, every stage and the back-tracking, runs in one native call instead
+    (:func:`_dp_native`: numpy's per-call overhead made the stages above the simulator's
+    bottleneck). It makes the same IEEE double operations, so the same :class:`DPSolution` to
+    the bit (tests/unit/test_otas_native_dp.py). The C source (jaxserve/kernels/otas_dp.c) is
+    built on the first call by the system C compiler, into the kernel directory
+    (:func:`jaxserve.kernels.otas_dp_library`); without a compiler, after a failed build
+    (a warning, once) or with ``JAXSERVE_NATIVE_DP=0``, the stages above run.
     """
     if len(deadlines) != len(options):
         raise ValueError("one option list per batch")
@@ -294,6 +306,17 @@ def solve_token_dp(
         raise ValueError("max_labels must be at least 2")
     if undominated is not None and len(undominated) != len(options):
         raise ValueError("one undominated list per batch")
+    if undominated is None:
+        stages = [_DPStage(_undominated(o)) for o in options]
+    else:
+        stages = [u if isinstance(u, _DPStage) else _DPStage(u) for u in undominated]
+    if (os.environ.get("JAXSERVE_NATIVE_DP", "1").strip().lower() not in _SWITCHED_OFF
+            and isinstance(start, _NUMBERS) and not math.isnan(start) and isinstance(max_labels, int)
+            and max_labels < 1 << 62 and all(stage.native for stage in stages)
+            and all(isinstance(d, _NUMBERS) for d in deadlines)):
+        solution = _dp_native(deadlines, options, stages, start, max_labels)
+        if solution is not None:
+            return solution
     # The frontier, in candidate order (clocks ascending, utilities ascending): its clocks and
     # its utilities negated (so that ascending (clock, -utility) is the candidate order), as
     # lists (a small stage made it), two arrays (_dp_stage_numpy) or one complex array
@@ -309,12 +332,7 @@ def solve_token_dp(
     truncated = False
     widest = 1
     for b, deadline in enumerate(deadlines):
-        if undominated is None:
-            stage = _DPStage(_undominated(options[b]))
-        else:
-            stage = undominated[b]
-            if not isinstance(stage, _DPStage):
-                stage = _DPStage(stage)
+        stage = stages[b]
         no_nan = no_nan and stage.plain
         n_labels = len(clocks) if joint is None else len(joint)
         candidates = n_labels * stage.width
@@ -352,6 +370,42 @@ def solve_token_dp(
     return DPSolution(tuple(gammas), utility, finish, widest, truncated)
 
 
+_SWITCHED_OFF = ("0", "false", "no", "off")
+_NUMBERS = (float, int)  # what Python's float arithmetic reads as the double the native DP reads
+
+
+def _dp_native(deadlines: Sequence[float], options: Sequence[Sequence[GammaOption]], stages: list["_DPStage"],
+               start: float, max_labels: int, *, sort_all: bool = False) -> DPSolution | None:
+    """:func:`solve_token_dp` in one call of the native DP (jaxserve/kernels/otas_dp.c: every stage
+    and the back-tracking), for inputs from which no NaN can arise; None where it cannot answer (no
+    library: no compiler or a failed build, logged once; or a utility sum overflowed to an infinity,
+    where the Python and numpy stages' near-tie shortcuts could part), and the caller's stages run
+    instead. The same labels as those stages, to the bit: the C code makes the same IEEE double
+    operations in the same order, compiled without fast-math or FMA contraction. ``sort_all``: every
+    stage by sorting all its candidates, the C code's slow path (tests)."""
+    from jaxserve.kernels import otas_dp_library
+
+    native = otas_dp_library()
+    if native is None:
+        return None
+    n = len(stages)
+    columns = np.empty(n, dtype=np.int32)  # per batch: 0 (not executed) or its undominated option's column
+    out = np.empty(4, dtype=np.float64)  # finish, negated utility, then widest and truncated as int64
+    address = out.ctypes.data
+    rc = native.solve(n, struct.pack(f"{n}d", *deadlines), b"".join([st.record for st in stages]), start, max_labels,
+                      int(sort_all), columns.ctypes.data, address, address + 16, address + 24)
+    if rc:
+        if rc == 2:
+            raise MemoryError("native OTAS DP: out of memory")
+        return None
+    finish, neg = out[:2].tolist()
+    widest, truncated = out[2:].view(np.int64).tolist()
+    gammas: list[Optional[int]] = [None] * n
+    for b in columns.nonzero()[0].tolist():  # few batches run: look up only theirs
+        gammas[b] = options[b][stages[b].columns[columns[b]]].gamma
+    return DPSolution(tuple(gammas), -neg, finish, widest, bool(truncated))
+
+
 class _DPStage:
     """One batch's undominated options (``_undominated(options)``) as a DP stage reads them,
     built once per option list: the policy keeps one per queued batch (:meth:`_QueuedBatch.undominated`).
@@ -361,9 +415,13 @@ class _DPStage:
     leaves every label as it is (x + -0.0 == x for every x, -0.0 included; n + -g == n - g).
     ``plain``: the seconds and utilities are finite, so that from a frontier without NaN no
     candidate is NaN (each step adds a finite number; inf - inf never happens) and the complex
-    stage's sort orders the candidates exactly as :func:`np.lexsort` on (clock, -utility) does."""
+    stage's sort orders the candidates exactly as :func:`np.lexsort` on (clock, -utility) does.
+    ``native``: plain, and every number a float or an int, which Python's arithmetic reads as the
+    double the native DP reads (a numpy float32 or a Decimal would not be): :func:`_dp_native` may
+    take the stage. ``record``: the options as it reads them, float64 bytes: their count, then
+    (seconds, utility) per option."""
 
-    __slots__ = ("useful", "width", "columns", "delta", "plain")
+    __slots__ = ("useful", "width", "columns", "delta", "plain", "native", "record")
 
     def __init__(self, useful: Iterable[tuple[int, GammaOption]]) -> None:
         self.useful: tuple[tuple[int, GammaOption], ...] = tuple(useful)
@@ -372,6 +430,10 @@ class _DPStage:
         self.delta = np.array([complex(-0.0, -0.0)] + [complex(o.seconds, -o.utility) for _, o in self.useful],
                               dtype=np.complex128)
         self.plain = all(math.isfinite(o.seconds) and math.isfinite(o.utility) for _, o in self.useful)
+        self.native = self.plain and all(isinstance(o.seconds, _NUMBERS) and isinstance(o.utility, _NUMBERS)
+                                         for _, o in self.useful)
+        self.record = np.array([len(self.useful)] + [x for _, o in self.useful for x in (o.seconds, o.utility)],
+                               dtype=np.float64).tobytes()
 
     def __len__(self) -> int:
         return len(self.useful)

@@ -886,9 +886,11 @@ def test_dp_equals_its_plain_transcription_to_the_bit(monkeypatch):
     """solve_token_dp (numpy for large stages, lists for small ones) returns exactly what the plain
     loop returns: the same gammas, utility and finish to the last bit, frontier width and truncation,
     on random queues built to hit the hard cases: equal clocks (dyadic seconds), utilities equal
-    up to rounding (sums of 0.1, 0.2, 0.3 in different orders), and thinned frontiers."""
+    up to rounding (sums of 0.1, 0.2, 0.3 in different orders), and thinned frontiers. (With the
+    native DP off: tests/unit/test_otas_native_dp.py compares it with these stages and this loop.)"""
     import jaxserve.sched.otas as otas_module
 
+    monkeypatch.setenv("JAXSERVE_NATIVE_DP", "0")
     used = count_calls(monkeypatch, otas_module, {"_dp_stage_complex": "numpy", "_dp_keep_near_ties": "near",
                                                    "_dp_stage_python": "python"})
     rng = random.Random(11)
