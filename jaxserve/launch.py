@@ -24,6 +24,7 @@ import numpy as np
 from jaxserve import registry
 from jaxserve.compile_cache import CompileCache, compile_count
 from jaxserve.engine import Engine, whole_stage
+from jaxserve.kernels import otas_dp_library
 from jaxserve.polymorph import raise_if_stopped
 from jaxserve.profiler import load_cost_model, machine_description, profile_table, save_cost_model
 from jaxserve.runtime import ModelRuntime, TaskHead, TextRuntime
@@ -208,6 +209,7 @@ def make_policy(settings: ServeSettings, models: Mapping[str, Any], cost: CostMo
     if settings.policy in TEXT_STREAM_POLICIES:
         return _arlo_family_policy(settings, grids, cost)
     if settings.policy in IMAGE_POLICIES:
+        otas_dp_library()  # the native DP is built here, at start, never on a first request's path
         return make_otas_policy(settings.policy, models, cost, settings.extra.get("otas", {}))
     if settings.policy in CASCADE_POLICIES:
         return make_tabi_policy(settings, models, cost)

@@ -275,3 +275,17 @@ def test_the_native_path_imports_no_jax(native):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_making_an_image_policy_builds_the_native_dp_before_any_request(native):
+    """launch.make_policy (the server's start, and simulate's) loads the library, so the first DP a
+    live server solves never waits for a C compiler."""
+    from jaxserve.launch import ServeSettings, make_policy
+    from jaxserve.sched.base import CostModel
+    from test_otas_sched import ACCP, LAT, _Runtime
+
+    kernels.otas_dp_library.cache_clear()
+    make_policy(ServeSettings(policy="default"), {"vit": _Runtime(ACCP)}, CostModel(latency={"vit": LAT}))
+    assert kernels.otas_dp_library.cache_info().currsize == 0  # only the image policies solve the DP
+    make_policy(ServeSettings(policy="otas"), {"vit": _Runtime(ACCP)}, CostModel(latency={"vit": LAT}))
+    assert kernels.otas_dp_library.cache_info().currsize == 1
