@@ -66,7 +66,8 @@ from __future__ import annotations
 MEASURES = (
     "bench/otas_utility.py", "bench/otas_cost_vit-demo.json", "bench/otas_infaas_variants.json",
     "bench/otas_cost_dinov2-s14.json", "bench/otas_infaas_variants_dinov2-s14.json",
-    "jaxserve/sched/otas.py", "jaxserve/sched/base.py", "jaxserve/simulator.py", "jaxserve/traces.py",
+    "jaxserve/sched/otas.py", "jaxserve/kernels/otas_dp.c", "jaxserve/sched/base.py", "jaxserve/simulator.py",
+    "jaxserve/traces.py",
 )
 SECTIONS = {"otas-utility-sim": "--write", "otas-utility-sim-dinov2-s14": "--model dinov2-s14 --write"}
 

@@ -39,6 +39,7 @@ MEASURES = (
     "bench/sim_speed.py", "bench/results/sim_knee-cost_model.json", "bench/otas_cost_vit-demo.json",
     "jaxserve/simulator.py", "jaxserve/launch.py", "jaxserve/sched/base.py", "jaxserve/sched/batching.py",
     "jaxserve/sched/arlo", "jaxserve/sched/baselines.py", "jaxserve/sched/otas.py", "jaxserve/traces.py",
+    "jaxserve/kernels/otas_dp.c", "jaxserve/kernels/__init__.py",
 )
 SECTIONS = {"sim_speed": "--write"}
 
