@@ -785,7 +785,7 @@ class _QueuedBatch:
     options are of one pricer; a policy that reprices (a new ``_Pricer``) gets them afresh."""
 
     __slots__ = ("key", "requests", "opened", "first_utility", "_deadline", "_sums", "_summed", "_options", "_by",
-                 "_useful", "queued", "_edd_entry", "_moment_entry")
+                 "_useful", "queued", "_edd_entry", "_moment_entry", "joinable")
 
     def __init__(self, key: int, first: Request, now: float) -> None:
         self.key = key
@@ -793,7 +793,8 @@ class _QueuedBatch:
         self.opened = now  # s_b, as seen by the policy
         self.first_utility = first.utility
         self._deadline = first.deadline
-        self.queued = False  # in a _BatchQueue (which keeps the two entries below)
+        self.queued = False  # in a _BatchQueue (which keeps the two entries below and ``joinable``)
+        self.joinable = False  # in the _BatchQueue's admission index (_BatchQueue.first_fit)
         self._edd_entry: tuple | None = None
         self._moment_entry: tuple | None = None
         self._sums: list[float] | None = None  # utility sums over requests[:_summed]
@@ -870,7 +871,9 @@ class _BatchQueue:
       ascending: from that moment on its earliest-deadline request is hopeless (eviction and
       the wake-up); rebuilt when asked with another pricer (a reprice, a variant switch);
     * :meth:`first_fit`: Alg. 1's admission, looking only at batches still young enough to
-      accept joins, grouped by their opener's utility;
+      accept joins and not full (fewer requests than the last ``cap`` asked with), grouped by
+      their opener's utility, in creation order: a batch leaves that index when it fills up,
+      is dispatched or emptied, and comes back (in its place) when a ``keep`` makes room in it;
     * ``depth``: the number of queued requests.
 
     The answers equal brute force over the batches in creation order, to the bit
@@ -883,10 +886,12 @@ class _BatchQueue:
         self._edd: list[tuple[float, float, int, _QueuedBatch]] = []
         self._moments: list[tuple[float, int, _QueuedBatch]] = []
         self._pricer: _Pricer | None = None  # the pricer _moments are of (None: not built)
-        # first_fit: per opener utility, the batches opened less than ``batching.delta`` before ``_seen``
-        # (creation order, hence opening order; some may have left the queue since)
-        self._young: dict[float, deque[_QueuedBatch]] | None = {}  # None: the clock went back, scan all
+        # first_fit: per opener utility, (key, batch) of the queued batches with fewer than ``_cap`` requests,
+        # opened less than ``batching.delta`` before ``_seen`` (old ones are dropped lazily, from the front),
+        # ascending key (creation order, hence opening order); a batch is in it iff its ``joinable``
+        self._young: dict[float, list[tuple[int, _QueuedBatch]]] | None = {}  # None: the clock went back, scan all
         self._batching: BatchingParams | None = None  # the parameters _young and _similar are for
+        self._cap: int | None = None  # the cap _young is for (None: not built yet; every batch counts as not full)
         self._similar: dict[tuple[float, float], bool] = {}  # (utility, opener's utility) -> ratio >= mu
         self._seen = -math.inf  # the latest ``now`` first_fit was asked at
 
@@ -902,17 +907,29 @@ class _BatchQueue:
         qb.queued = True
         self.depth += len(qb.requests)
         self._index(qb)
-        if self._young is not None:
+        if self._young is not None and (self._cap is None or len(qb.requests) < self._cap):
             group = self._young.get(qb.first_utility)
             if group is None:
-                self._young[qb.first_utility] = group = deque()
-            group.append(qb)
+                self._young[qb.first_utility] = group = []
+            group.append((qb.key, qb))  # the largest key: the end is its place
+            qb.joinable = True
 
     def join(self, qb: _QueuedBatch, request: Request) -> None:
+        deadline = qb._deadline
         qb.add(request)
         self.depth += 1
-        self._unindex(qb)
-        self._index(qb)
+        if qb._deadline is not deadline:  # min() kept the old object: the deadline did not change
+            self._unindex(qb)
+            self._index(qb)
+        elif self._pricer is not None:  # the EDD entry stands; the moment may have moved with the size
+            old = qb._moment_entry
+            moment = qb._deadline - self._pricer.fastest_seconds(len(qb.requests))
+            if moment != old[0] or moment == 0.0:  # equal and non-zero: the same double, the same entry
+                _drop(self._moments, old)
+                qb._moment_entry = moment = (moment, qb.key, qb)
+                insort(self._moments, moment)
+        if qb.joinable and self._cap is not None and len(qb.requests) >= self._cap:  # full: admission need not look at it
+            self._leave_young(qb)
 
     def keep(self, qb: _QueuedBatch, requests: list[Request]) -> None:
         """:meth:`_QueuedBatch.keep`; a batch left empty leaves the queue."""
@@ -921,15 +938,32 @@ class _BatchQueue:
         self._unindex(qb)
         if requests:
             self._index(qb)
+            if (not qb.joinable and self._young is not None
+                    and (self._cap is None or len(requests) < self._cap)):  # room again: back in its place
+                group = self._young.get(qb.first_utility)
+                if group is None:
+                    self._young[qb.first_utility] = group = []
+                group.insert(bisect_left(group, (qb.key,)), (qb.key, qb))
+                qb.joinable = True
         else:
             del self.batches[qb.key]
             qb.queued = False
+            if qb.joinable:
+                self._leave_young(qb)
 
     def remove(self, qb: _QueuedBatch) -> None:
         del self.batches[qb.key]
         qb.queued = False
         self.depth -= len(qb.requests)
         self._unindex(qb)
+        if qb.joinable:
+            self._leave_young(qb)
+
+    def _leave_young(self, qb: _QueuedBatch) -> None:
+        """Take ``qb`` out of first_fit's index (it is there: ``qb.joinable``)."""
+        group = self._young[qb.first_utility]
+        del group[bisect_left(group, (qb.key,))]
+        qb.joinable = False
 
     def edd(self) -> list[_QueuedBatch]:
         """The batches in EDD order (deadline, then opening time, then creation)."""
@@ -948,20 +982,32 @@ class _BatchQueue:
         """Alg. 1: the first batch in creation order that ``request`` may join at ``now``, or None."""
         delta = batching.delta
         deadline, utility, eta, mu = request.deadline, request.utility, batching.eta, batching.mu
-        if now < self._seen:  # the clock went back (never in the engine or the simulator): young no longer
-            self._young = None  # means "opened last", so scan every batch from now on
+        if now < self._seen and self._young is not None:  # the clock went back (never in the engine or the
+            self._young = None  # simulator): young no longer means "opened last", so scan every batch from now on
+            for qb in self.batches.values():
+                qb.joinable = False
         if self._young is None:
             for qb in self.batches.values():
                 if (now - qb.opened < delta and len(qb.requests) < cap and _deadline_gap(deadline, qb.deadline) <= eta
                         and _utility_ratio(utility, qb.first_utility) >= mu):
                     return qb
             return None
-        if batching is not self._batching:
-            if self._batching is None or batching != self._batching:  # every queued batch may be young again
-                self._young = {}
+        if batching is not self._batching or cap != self._cap:
+            if self._batching is None or batching != self._batching or cap != self._cap:
+                # every queued batch may be young (a longer delta) or not full (another cap) again
                 for qb in self.batches.values():
-                    self._young.setdefault(qb.first_utility, deque()).append(qb)
-                self._similar = {}
+                    qb.joinable = False
+                self._young = young = {}
+                for qb in self.batches.values():
+                    if len(qb.requests) < cap:
+                        group = young.get(qb.first_utility)
+                        if group is None:
+                            young[qb.first_utility] = group = []
+                        group.append((qb.key, qb))
+                        qb.joinable = True
+                if batching != self._batching:
+                    self._similar = {}
+                self._cap = cap
             self._batching = batching
         self._seen = now
         similar = self._similar
@@ -970,9 +1016,15 @@ class _BatchQueue:
         best: Optional[_QueuedBatch] = None
         gone = None
         for first_utility, group in self._young.items():
-            # a batch too old to accept joins stays so (the clock only advances): forget it
-            while group and not (group[0].queued and now - group[0].opened < delta):
-                group.popleft()
+            # a batch too old to accept joins stays so (the clock only advances): forget it. Every batch
+            # here is queued and not full (the index drops it when it is not).
+            if group and not now - group[0][1].opened < delta:
+                old = 1
+                while old < len(group) and not now - group[old][1].opened < delta:
+                    old += 1
+                for _, qb in group[:old]:
+                    qb.joinable = False
+                del group[:old]
             if not group:
                 gone = [first_utility] if gone is None else gone + [first_utility]
                 continue
@@ -981,10 +1033,10 @@ class _BatchQueue:
                 ok = similar[(utility, first_utility)] = _utility_ratio(utility, first_utility) >= mu
             if not ok:
                 continue
-            for qb in group:  # all young: opened no earlier than the first
-                if best is not None and qb.key > best.key:
+            for key, qb in group:  # all young: opened no earlier than the first
+                if best is not None and key > best.key:
                     break
-                if qb.queued and len(qb.requests) < cap and _deadline_gap(deadline, qb.deadline) <= eta:
+                if _deadline_gap(deadline, qb.deadline) <= eta:
                     best = qb
                     break
         if gone is not None:
