@@ -125,6 +125,8 @@ import struct
 from bisect import bisect_left, insort
 from collections import Counter, OrderedDict, deque
 from heapq import heapify, heappop, heappush
+from itertools import repeat
+from operator import attrgetter
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Iterable, Mapping, Optional, Sequence
@@ -310,10 +312,21 @@ def solve_token_dp(
         stages = [_DPStage(_undominated(o)) for o in options]
     else:
         stages = [u if isinstance(u, _DPStage) else _DPStage(u) for u in undominated]
+    return _solve_stages(deadlines, options, stages, start, max_labels)
+
+
+_STAGE_NATIVE = attrgetter("native")
+_STAGE_RECORD = attrgetter("record")
+
+
+def _solve_stages(deadlines: Sequence[float], options: Sequence[Sequence[GammaOption]], stages: list["_DPStage"],
+                  start: float, max_labels: int) -> DPSolution:
+    """:func:`solve_token_dp` once every batch's undominated options are a :class:`_DPStage` (and the
+    arguments checked): the policy calls it directly with the stages it keeps per queued batch."""
     if (os.environ.get("JAXSERVE_NATIVE_DP", "1").strip().lower() not in _SWITCHED_OFF
             and isinstance(start, _NUMBERS) and not math.isnan(start) and isinstance(max_labels, int)
-            and max_labels < 1 << 62 and all(stage.native for stage in stages)
-            and all(isinstance(d, _NUMBERS) for d in deadlines)):
+            and max_labels < 1 << 62 and all(map(_STAGE_NATIVE, stages))
+            and all(map(isinstance, deadlines, repeat(_NUMBERS)))):
         solution = _dp_native(deadlines, options, stages, start, max_labels)
         if solution is not None:
             return solution
@@ -392,7 +405,7 @@ def _dp_native(deadlines: Sequence[float], options: Sequence[Sequence[GammaOptio
     columns = np.empty(n, dtype=np.int32)  # per batch: 0 (not executed) or its undominated option's column
     out = np.empty(4, dtype=np.float64)  # finish, negated utility, then widest and truncated as int64
     address = out.ctypes.data
-    rc = native.solve(n, struct.pack(f"{n}d", *deadlines), b"".join([st.record for st in stages]), start, max_labels,
+    rc = native.solve(n, struct.pack(f"{n}d", *deadlines), b"".join(map(_STAGE_RECORD, stages)), start, max_labels,
                       int(sort_all), columns.ctypes.data, address, address + 16, address + 24)
     if rc:
         if rc == 2:
@@ -785,7 +798,7 @@ class _QueuedBatch:
     options are of one pricer; a policy that reprices (a new ``_Pricer``) gets them afresh."""
 
     __slots__ = ("key", "requests", "opened", "first_utility", "_deadline", "_sums", "_summed", "_options", "_by",
-                 "_useful", "queued", "_edd_entry", "_moment_entry", "joinable")
+                 "_useful", "queued", "_edd_entry", "_moment_entry", "joinable", "dp")
 
     def __init__(self, key: int, first: Request, now: float) -> None:
         self.key = key
@@ -802,16 +815,21 @@ class _QueuedBatch:
         self._options: list[GammaOption] | None = None  # of requests[:_summed]
         self._by: "_Pricer | None" = None  # the pricer the sums and options are of
         self._useful: tuple[list[GammaOption], _DPStage] | None = None  # (options, their undominated ones)
+        # (pricer, options, undominated stage) as :meth:`dp_inputs` gave them for these requests; None once
+        # they change (add, keep). A plan reads it for every queued batch without a method call.
+        self.dp: tuple[_Pricer, list[GammaOption], _DPStage] | None = None
 
     def add(self, request: Request) -> None:
         self.requests.append(request)
         self._deadline = min(self._deadline, request.deadline)
+        self.dp = None
 
     def keep(self, requests: list[Request]) -> None:
         """Replace the requests by ``requests`` (a subsequence: some were withdrawn or evicted)."""
         self.requests = requests
         self._deadline = min((r.deadline for r in requests), default=math.inf)
         self._sums, self._summed, self._options = None, 0, None
+        self.dp = None
 
     @property
     def deadline(self) -> float:
@@ -884,6 +902,7 @@ class _BatchQueue:
         self.batches: dict[int, _QueuedBatch] = {}  # key -> batch, creation order
         self.depth = 0
         self._edd: list[tuple[float, float, int, _QueuedBatch]] = []
+        self._edd_batches: list[_QueuedBatch] | None = []  # [e[3] for e in _edd], None once _edd changed
         self._moments: list[tuple[float, int, _QueuedBatch]] = []
         self._pricer: _Pricer | None = None  # the pricer _moments are of (None: not built)
         # first_fit: per opener utility, (key, batch) of the queued batches with fewer than ``_cap`` requests,
@@ -966,8 +985,12 @@ class _BatchQueue:
         qb.joinable = False
 
     def edd(self) -> list[_QueuedBatch]:
-        """The batches in EDD order (deadline, then opening time, then creation)."""
-        return [e[3] for e in self._edd]
+        """The batches in EDD order (deadline, then opening time, then creation); do not modify
+        (kept until the order or the set of batches changes)."""
+        batches = self._edd_batches
+        if batches is None:
+            batches = self._edd_batches = [e[3] for e in self._edd]
+        return batches
 
     def moments(self, pricer: "_Pricer") -> list[tuple[float, int, _QueuedBatch]]:
         """``(deadline - pricer.fastest_seconds(size), key, batch)`` per batch, ascending (do not modify)."""
@@ -1047,12 +1070,14 @@ class _BatchQueue:
     def _index(self, qb: _QueuedBatch) -> None:
         qb._edd_entry = entry = (qb.deadline, qb.opened, qb.key, qb)
         insort(self._edd, entry)
+        self._edd_batches = None
         if self._pricer is not None:
             qb._moment_entry = moment = (qb.deadline - self._pricer.fastest_seconds(len(qb.requests)), qb.key, qb)
             insort(self._moments, moment)
 
     def _unindex(self, qb: _QueuedBatch) -> None:
         _drop(self._edd, qb._edd_entry)
+        self._edd_batches = None
         if self._pricer is not None:
             _drop(self._moments, qb._moment_entry)
 
@@ -1271,7 +1296,7 @@ class SelectiveBatchingPolicy(Policy):
         # is checked exactly below, in creation order.
         margin = 1e-9 * (1.0 + abs(free_at) + pricer.slowest_fastest())
         due = bisect_left(moments, (free_at + margin, math.inf))
-        for qb in sorted((e[2] for e in moments[:due]), key=_creation):
+        for qb in sorted((e[2] for e in moments[:due]), key=_creation) if due else ():
             while qb.queued:
                 t = pricer.fastest_seconds(len(qb.requests))
                 if free_at + t < qb.deadline:  # its earliest deadline: none is hopeless
@@ -1407,10 +1432,19 @@ class OTASPolicy(SelectiveBatchingPolicy):
             chosen = manual_allocate(deadlines, means, options, clock, load_gamma, self.params.kappa)
             self.counters["alg3_runs"] += 1
             return [(qb, g, "load") for qb, g in zip(head, chosen)]
-        inputs = [qb.dp_inputs(pricer) for qb in ordered]
-        options = [o for o, _ in inputs]
-        solution = solve_token_dp([qb.deadline for qb in ordered], options, clock, self.params.max_labels,
-                                  undominated=[u for _, u in inputs])
+        # solve_token_dp(deadlines, options, clock, max_labels, undominated=stages), less its argument checks
+        # (one option list and one stage per batch by construction), reading each batch's cached inputs
+        options: list[list[GammaOption]] = []
+        stages: list[_DPStage] = []
+        for qb in ordered:
+            dp = qb.dp
+            if dp is None or dp[0] is not pricer:
+                dp = qb.dp = (pricer, *qb.dp_inputs(pricer))
+            options.append(dp[1])
+            stages.append(dp[2])
+        if self.params.max_labels < 2:
+            raise ValueError("max_labels must be at least 2")
+        solution = _solve_stages([qb._deadline for qb in ordered], options, stages, clock, self.params.max_labels)
         self.last_solution = solution
         self.counters["dp_runs"] += 1
         self.counters["dp_truncated"] += int(solution.truncated)
