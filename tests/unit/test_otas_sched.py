@@ -736,6 +736,99 @@ def test_batch_queue_indexes_equal_brute_force_after_random_operations(seed):
             assert all(q.batches[k] is qb for _, k, qb in got)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_first_fit_index_holds_exactly_the_queued_young_batches_with_room(seed):
+    """Alg. 1's index (first_fit's per-utility lists) under one cap, as the policy runs it: batches
+    fill up and leave it, are dispatched or emptied, and come back in their place when a keep
+    (withdrawal, eviction) makes room. Every first_fit equals a scan of every batch in creation
+    order, and after each step the index holds exactly the queued batches with fewer than cap
+    requests that it has not yet found too old, in creation order, each with ``joinable`` set."""
+    from jaxserve.sched.otas import _BatchQueue, _QueuedBatch
+
+    rng = random.Random(100 + seed)
+    q, shadow = _BatchQueue(), []
+    batching = BatchingParams(delta=0.3, epsilon=3, eta=0.25, mu=0.8)
+    cap = 3
+    now, rid, key = 0.0, 0, 0
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.5:
+            rid += 1
+            r = req(rid, now, deadline=now + rng.choice([0.1, 0.3, 0.5, rng.uniform(0.05, 0.6)]),
+                    utility=rng.choice([0.01, 0.2, 0.3, 1.0]))
+            qb = q.first_fit(r, now, batching, cap)
+            assert qb is _brute_first_fit(shadow, r, now, batching, cap)
+            if qb is None:
+                qb = _QueuedBatch(key, r, now)
+                key += 1
+                q.open(qb)
+                shadow.append(qb)
+            else:
+                q.join(qb, r)
+        elif op < 0.7 and shadow:  # a withdrawal or an eviction: often frees room in a full batch
+            qb = rng.choice(shadow)
+            q.keep(qb, [r for r in qb.requests if rng.random() < 0.7])
+            if not qb.requests:
+                shadow.remove(qb)
+        elif op < 0.8 and shadow:
+            qb = rng.choice(shadow)
+            q.remove(qb)
+            shadow.remove(qb)
+        else:
+            now += rng.choice([0.0, 0.01, 0.05, 0.1])
+        indexed = [(k, qb) for group in q._young.values() for k, qb in group]
+        for group in q._young.values():
+            assert [k for k, _ in group] == sorted(k for k, _ in group)
+            assert all(k == qb.key for k, qb in group)
+        assert len({id(qb) for _, qb in indexed}) == len(indexed)
+        assert {id(qb) for _, qb in indexed} == {id(qb) for qb in shadow if qb.joinable}
+        assert all(qb.queued and len(qb.requests) < cap for _, qb in indexed)
+        # a queued batch with room is missing only if first_fit found it too old (it stays so)
+        assert all(qb.joinable or len(qb.requests) >= cap or not now - qb.opened < batching.delta
+                   for qb in shadow)
+
+
+def test_dp_decisions_from_cached_batch_inputs_equal_a_fresh_solve():
+    """The policy solves the DP from each queued batch's cached (pricer, options, stage), dropped when
+    its requests change; every decision equals solve_token_dp on options priced afresh from the
+    requests, through joins, evictions, withdrawals and a reprice (a new pricer)."""
+    from jaxserve.sched.base import CostModel
+
+    checked = []
+
+    class Checked(OTASPolicy):
+        def _schedule(self, clock, ordered, slots):
+            runs = self.counters["dp_runs"]
+            out = super()._schedule(clock, ordered, slots)
+            if self.counters["dp_runs"] > runs:
+                pricer = self._pricer
+                fresh = solve_token_dp([qb.deadline for qb in ordered],
+                                       [pricer.options(list(qb.requests)) for qb in ordered], clock,
+                                       self.params.max_labels)
+                assert fresh == self.last_solution
+                checked.append(len(ordered))
+            return out
+
+    p = Checked("vit", LAT, ACCP, GRID, params=OTASParams(initial_stage=0.1, beta=1))
+    rng = random.Random(3)
+    busy: dict[int, tuple[float, object]] = {}
+    for r in bursty_requests(5, n=700):
+        now = r.arrival
+        for inst, (f, b) in sorted(busy.items(), key=lambda x: x[1][0]):
+            if f <= now:
+                del busy[inst]
+                p.on_completion(b, f)
+        p.on_arrival(r, now)
+        if rng.random() < 0.05:
+            p.withdraw(r.id - rng.randrange(1, 20), now)
+        if r.id == 350:
+            p.reprice(CostModel(latency={"vit": latency_profile(scale={g: 1.5 * s for g, s in SCALE.items()})}), now)
+        idle = [i for i in range(2) if i not in busy]
+        for b in p.plan(now, idle).batches:
+            busy[b.instance] = (now + p._pricer.seconds(len(b.request_ids), b.cell.gamma), b)
+    assert len(checked) > 50 and max(checked) > 3
+
+
 def _brute_evictions(policy, free_at):
     """The hopeless requests as a scan of every batch (creation order) finds them, without acting."""
     out = []
