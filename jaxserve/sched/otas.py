@@ -122,11 +122,11 @@ from __future__ import annotations
 import math
 import os
 import struct
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from collections import Counter, OrderedDict, deque
 from heapq import heapify, heappop, heappush
 from itertools import repeat
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Iterable, Mapping, Optional, Sequence
@@ -316,6 +316,7 @@ def solve_token_dp(
 
 
 _STAGE_NATIVE = attrgetter("native")
+_SECOND, _THIRD = itemgetter(1), itemgetter(2)
 _STAGE_RECORD = attrgetter("record")
 
 
@@ -816,7 +817,8 @@ class _QueuedBatch:
         self._by: "_Pricer | None" = None  # the pricer the sums and options are of
         self._useful: tuple[list[GammaOption], _DPStage] | None = None  # (options, their undominated ones)
         # (pricer, options, undominated stage) as :meth:`dp_inputs` gave them for these requests; None once
-        # they change (add, keep). A plan reads it for every queued batch without a method call.
+        # they change (add, keep) or the policy reprices (OTASPolicy._schedule clears every queued batch's).
+        # A plan reads it for every queued batch without a method call.
         self.dp: tuple[_Pricer, list[GammaOption], _DPStage] | None = None
 
     def add(self, request: Request) -> None:
@@ -871,6 +873,11 @@ class _QueuedBatch:
             useful = self._useful
         return useful
 
+    def cache_dp(self, pricer: "_Pricer") -> tuple["_Pricer", list[GammaOption], _DPStage]:
+        """Set and return :attr:`dp` from :meth:`dp_inputs`."""
+        self.dp = dp = (pricer, *self.dp_inputs(pricer))
+        return dp
+
     def sort_key(self) -> tuple[float, float, int]:
         return (self.deadline, self.opened, self.key)
 
@@ -902,7 +909,7 @@ class _BatchQueue:
         self.batches: dict[int, _QueuedBatch] = {}  # key -> batch, creation order
         self.depth = 0
         self._edd: list[tuple[float, float, int, _QueuedBatch]] = []
-        self._edd_batches: list[_QueuedBatch] | None = []  # [e[3] for e in _edd], None once _edd changed
+        self._edd_batches: list[_QueuedBatch] = []  # [e[3] for e in _edd], kept alongside it
         self._moments: list[tuple[float, int, _QueuedBatch]] = []
         self._pricer: _Pricer | None = None  # the pricer _moments are of (None: not built)
         # first_fit: per opener utility, (key, batch) of the queued batches with fewer than ``_cap`` requests,
@@ -985,12 +992,8 @@ class _BatchQueue:
         qb.joinable = False
 
     def edd(self) -> list[_QueuedBatch]:
-        """The batches in EDD order (deadline, then opening time, then creation); do not modify
-        (kept until the order or the set of batches changes)."""
-        batches = self._edd_batches
-        if batches is None:
-            batches = self._edd_batches = [e[3] for e in self._edd]
-        return batches
+        """The batches in EDD order (deadline, then opening time, then creation)."""
+        return self._edd_batches[:]
 
     def moments(self, pricer: "_Pricer") -> list[tuple[float, int, _QueuedBatch]]:
         """``(deadline - pricer.fastest_seconds(size), key, batch)`` per batch, ascending (do not modify)."""
@@ -1069,26 +1072,26 @@ class _BatchQueue:
 
     def _index(self, qb: _QueuedBatch) -> None:
         qb._edd_entry = entry = (qb.deadline, qb.opened, qb.key, qb)
-        insort(self._edd, entry)
-        self._edd_batches = None
+        i = bisect_right(self._edd, entry)  # where insort puts it
+        self._edd.insert(i, entry)
+        self._edd_batches.insert(i, qb)
         if self._pricer is not None:
             qb._moment_entry = moment = (qb.deadline - self._pricer.fastest_seconds(len(qb.requests)), qb.key, qb)
             insort(self._moments, moment)
 
     def _unindex(self, qb: _QueuedBatch) -> None:
-        _drop(self._edd, qb._edd_entry)
-        self._edd_batches = None
+        del self._edd_batches[_drop(self._edd, qb._edd_entry)]
         if self._pricer is not None:
             _drop(self._moments, qb._moment_entry)
 
 
-def _drop(entries: list, entry: tuple) -> None:
-    """Remove ``entry`` (the object itself) from the sorted list ``entries``."""
+def _drop(entries: list, entry: tuple) -> int:
+    """Remove ``entry`` (the object itself) from the sorted list ``entries``; its position."""
     i = bisect_left(entries, entry)
-    if i < len(entries) and entries[i] is entry:
-        del entries[i]
-    else:  # unordered values (a nan deadline): find it the slow way
-        del entries[next(j for j, e in enumerate(entries) if e is entry)]
+    if not (i < len(entries) and entries[i] is entry):  # unordered values (a nan deadline): the slow way
+        i = next(j for j, e in enumerate(entries) if e is entry)
+    del entries[i]
+    return i
 
 
 def _creation(qb: _QueuedBatch) -> int:
@@ -1403,6 +1406,7 @@ class OTASPolicy(SelectiveBatchingPolicy):
         self.params = params
         self.load_map = LoadToGamma.from_profile(latency, accuracy, grid, self._pricer.gammas, params.headroom)
         self.last_solution: Optional[DPSolution] = None
+        self._dp_pricer: Optional[_Pricer] = None  # the pricer the queued batches' cached DP inputs are of
 
     def use_accuracy(self, accuracy: AccuracyProfile) -> None:
         """As the base class's, and Alg. 3's load map is rebuilt from the new accuracy."""
@@ -1434,14 +1438,15 @@ class OTASPolicy(SelectiveBatchingPolicy):
             return [(qb, g, "load") for qb, g in zip(head, chosen)]
         # solve_token_dp(deadlines, options, clock, max_labels, undominated=stages), less its argument checks
         # (one option list and one stage per batch by construction), reading each batch's cached inputs
-        options: list[list[GammaOption]] = []
-        stages: list[_DPStage] = []
-        for qb in ordered:
-            dp = qb.dp
-            if dp is None or dp[0] is not pricer:
-                dp = qb.dp = (pricer, *qb.dp_inputs(pricer))
-            options.append(dp[1])
-            stages.append(dp[2])
+        if pricer is not self._dp_pricer:  # repriced: every batch's cached inputs are of the old pricer
+            for qb in self._queue:
+                qb.dp = None
+            self._dp_pricer = pricer
+        dps = [qb.dp for qb in ordered]
+        if None in dps:
+            dps = [dp if dp is not None else qb.cache_dp(pricer) for qb, dp in zip(ordered, dps)]
+        options: list[list[GammaOption]] = list(map(_SECOND, dps))
+        stages: list[_DPStage] = list(map(_THIRD, dps))
         if self.params.max_labels < 2:
             raise ValueError("max_labels must be at least 2")
         solution = _solve_stages([qb._deadline for qb in ordered], options, stages, clock, self.params.max_labels)
