@@ -26,9 +26,14 @@ lengths. The table also shows the utilisation the run reached (busy instance-sec
 Timing: wall time of ``simulate`` alone (trace and policy are built before the clock
 starts). A pilot run of ``--pilot`` requests sizes each cell so one run takes about
 ``--seconds``; the cell then runs ``--repeats`` times on the same trace (a fresh policy
-each time) and the median is reported.
+each time) and the median is reported. OTAS's pilot falls inside its initial stage (Alg. 3
+only, the first 2 simulated seconds), so a cell's trace also holds some seconds of Alg. 2,
+whose DP makes a request several times dearer: the OTAS rows depend on how far past the
+initial stage their trace reaches (the 'virtual s' column). Each OTAS cell's trace also runs
+once with the DP in Python/numpy (``JAXSERVE_NATIVE_DP=0``; skip with ``--no-numpy-dp``), and
+the two results are compared array by array: the native DP's speed-up in the same run.
 
-    .venv/bin/python -m bench.sim_speed [--seconds 5] [--repeats 3] [--write]
+    .venv/bin/python -m bench.sim_speed [--seconds 5] [--repeats 3] [--no-numpy-dp] [--write]
 """
 
 from __future__ import annotations
@@ -159,20 +164,53 @@ def run_cell(setup: Setup, instances: int, args, lengths: np.ndarray | None) -> 
             break
     wall = statistics.median(walls)
     s = result.summary()
-    return dict(policy=setup.name, profile=setup.profile, instances=instances, rate=rate, requests=len(trace),
-                virtual=result.span(), walls=walls, wall=wall, per_min=len(trace) / wall * 60,
-                utilization=s["utilization"], batch=s["mean_batch_size"], slo=float(np.mean(result.outcome == OK)))
+    out = dict(policy=setup.name, profile=setup.profile, instances=instances, rate=rate, requests=len(trace),
+               virtual=result.span(), walls=walls, wall=wall, per_min=len(trace) / wall * 60,
+               utilization=s["utilization"], batch=s["mean_batch_size"], slo=float(np.mean(result.outcome == OK)))
+    if setup.name == "otas" and args.numpy_dp:
+        out["numpy_dp"] = numpy_dp_arm(setup, instances, trace, result)
+    return out
+
+
+RESULT_ARRAYS = ("start", "finish", "outcome", "batch", "cell_batch", "cell_seq", "cell_gamma", "batch_start",
+                 "batch_finish", "batch_count", "batch_instance")
+
+
+def numpy_dp_arm(setup: Setup, instances: int, trace: traces.Trace, native) -> tuple[float, bool]:
+    """The same trace once more with OTAS's DP in Python/numpy (``JAXSERVE_NATIVE_DP=0``): (wall
+    seconds, whether every array of the result equals the native run's)."""
+    import os
+
+    before = os.environ.get("JAXSERVE_NATIVE_DP")
+    os.environ["JAXSERVE_NATIVE_DP"] = "0"
+    try:
+        plain, wall = timed(setup, instances, trace)
+    finally:
+        if before is None:
+            del os.environ["JAXSERVE_NATIVE_DP"]
+        else:
+            os.environ["JAXSERVE_NATIVE_DP"] = before
+    same = all(np.array_equal(getattr(native, f), getattr(plain, f), equal_nan=True) for f in RESULT_ARRAYS)
+    return wall, same
 
 
 HEADER = ["policy", "profile", "instances", "rate req/s", "requests", "virtual s", "runs", "wall s (median)",
-          "simulated req/min", "goal met", "utilization", "mean batch", "SLO att."]
+          "simulated req/min", "goal met", "utilization", "mean batch", "SLO att.",
+          "DP in numpy: wall s (one run), its / native's median, same result"]
 
 
 def row(r: dict) -> list[str]:
     return [r["policy"], r["profile"], str(r["instances"]), f"{r['rate']:,.0f}", f"{r['requests']:,}",
             f"{r['virtual']:,.1f}", str(len(r["walls"])), f"{r['wall']:.2f}", f"{r['per_min']:,.0f}",
             "yes" if r["per_min"] >= GOAL_PER_MIN else "**no**", f"{r['utilization']:.2f}", f"{r['batch']:.1f}",
-            f"{r['slo']:.3f}"]
+            f"{r['slo']:.3f}", numpy_dp_cell(r)]
+
+
+def numpy_dp_cell(r: dict) -> str:
+    if "numpy_dp" not in r:
+        return "-"
+    wall, same = r["numpy_dp"]
+    return f"{wall:.2f}, {wall / r['wall']:.2f}x, {'identical' if same else '**differs**'}"
 
 
 def main() -> None:
@@ -187,6 +225,8 @@ def main() -> None:
     parser.add_argument("--pilot", type=int, default=5000, help="requests of the run that sizes a cell")
     parser.add_argument("--max-requests", type=int, default=2_000_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-numpy-dp", dest="numpy_dp", action="store_false",
+                        help="skip the OTAS cells' second arm (the same trace with the DP in Python/numpy)")
     parser.add_argument("--write", action="store_true", help="record the table in bench/RESULTS.md")
     add_quick(parser, seconds=0.05, repeats=1, pilot=500, max_requests=1000)
     args = apply_quick(parser.parse_args())
@@ -223,7 +263,9 @@ def main() -> None:
         "Poisson arrivals. Text policies: the MiniLM-L6 serve profile, real tweet lengths, the paper-scaled Arlo SLO "
         f"({text_setup('default').slo_ms:.0f} ms), max_wait 0, max_queue 256 per instance. OTAS: the demo ViT's "
         "profile scaled to 580 req/s at gamma 0, Table II's query types. Wall time of `simulate` only; 'virtual s' "
-        "is the simulated span (Arlo's Runtime Scheduler runs every 120 s of it, after 10 s). "
+        "is the simulated span (Arlo's Runtime Scheduler runs every 120 s of it, after 10 s). The OTAS cells also run "
+        "their trace once with Alg. 2's DP in Python/numpy (`JAXSERVE_NATIVE_DP=0`) instead of native code, and "
+        "compare every array of the two results. "
         f"Whole run: {elapsed:.0f} s.")
     print()
     print(text)
