@@ -672,13 +672,53 @@ def _brute_first_fit(batches, r, now, batching, cap):
     return None
 
 
+def _complete_due(policy, busy: dict, now: float) -> None:
+    """Report to ``policy`` every batch in ``busy`` (instance -> (finish, batch)) done by ``now``, in
+    finishing order, and free its instance."""
+    for inst, (f, b) in sorted(busy.items(), key=lambda x: x[1][0]):
+        if f <= now:
+            del busy[inst]
+            policy.on_completion(b, f)
+
+
+def _admit(q, shadow: list, r, now: float, batching, cap: int, key: int) -> int:
+    """Alg. 1's admission of ``r`` as on_arrival does it, checked against :func:`_brute_first_fit`:
+    join the batch first_fit finds, else open batch ``key`` (kept in ``shadow``). Returns the next key."""
+    from jaxserve.sched.otas import _QueuedBatch
+
+    qb = q.first_fit(r, now, batching, cap)
+    assert qb is _brute_first_fit(shadow, r, now, batching, cap)
+    if qb is not None:
+        q.join(qb, r)
+        return key
+    qb = _QueuedBatch(key, r, now)
+    q.open(qb)
+    shadow.append(qb)
+    return key + 1
+
+
+def _keep_some(q, shadow: list, rng, p: float) -> None:
+    """A withdrawal or an eviction: a random batch keeps each request with probability ``p``."""
+    qb = rng.choice(shadow)
+    q.keep(qb, [r for r in qb.requests if rng.random() < p])
+    if not qb.requests:
+        shadow.remove(qb)
+
+
+def _dispatch_one(q, shadow: list, rng) -> None:
+    """A dispatch: a random batch leaves the queue."""
+    qb = rng.choice(shadow)
+    q.remove(qb)
+    shadow.remove(qb)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_batch_queue_indexes_equal_brute_force_after_random_operations(seed):
     """Every answer of the indexed queue (creation order, depth, EDD order, moments, Alg. 1's
     first fit) equals a scan of all batches, after each of a random sequence of opens, joins,
     keeps (evictions, withdrawals: possibly emptying a batch), removals (dispatches), reprices,
     clock steps (one run also steps the clock back) and batching parameters."""
-    from jaxserve.sched.otas import _BatchQueue, _Pricer, _QueuedBatch
+    from jaxserve.sched.otas import _BatchQueue, _Pricer
 
     rng = random.Random(seed)
     pricers = [_Pricer("vit", LAT, ACCP, GRID, GAMMAS),
@@ -697,26 +737,11 @@ def test_batch_queue_indexes_equal_brute_force_after_random_operations(seed):
     for step in range(1500):
         op = rng.random()
         if op < 0.35:  # an arrival, as on_arrival does it
-            r = request()
-            cap = rng.choice([2, 4])
-            qb = q.first_fit(r, now, batching, cap)
-            assert qb is _brute_first_fit(shadow, r, now, batching, cap)
-            if qb is None:
-                qb = _QueuedBatch(key, r, now)
-                key += 1
-                q.open(qb)
-                shadow.append(qb)
-            else:
-                q.join(qb, r)
+            key = _admit(q, shadow, request(), now, batching, rng.choice([2, 4]), key)
         elif op < 0.45 and shadow:
-            qb = rng.choice(shadow)
-            q.keep(qb, [r for r in qb.requests if rng.random() < 0.6])
-            if not qb.requests:
-                shadow.remove(qb)
+            _keep_some(q, shadow, rng, 0.6)
         elif op < 0.55 and shadow:
-            qb = rng.choice(shadow)
-            q.remove(qb)
-            shadow.remove(qb)
+            _dispatch_one(q, shadow, rng)
         elif op < 0.6:
             pricer = rng.choice(pricers)
         elif op < 0.62:
@@ -743,7 +768,7 @@ def test_first_fit_index_holds_exactly_the_queued_young_batches_with_room(seed):
     (withdrawal, eviction) makes room. Every first_fit equals a scan of every batch in creation
     order, and after each step the index holds exactly the queued batches with fewer than cap
     requests that it has not yet found too old, in creation order, each with ``joinable`` set."""
-    from jaxserve.sched.otas import _BatchQueue, _QueuedBatch
+    from jaxserve.sched.otas import _BatchQueue
 
     rng = random.Random(100 + seed)
     q, shadow = _BatchQueue(), []
@@ -756,24 +781,11 @@ def test_first_fit_index_holds_exactly_the_queued_young_batches_with_room(seed):
             rid += 1
             r = req(rid, now, deadline=now + rng.choice([0.1, 0.3, 0.5, rng.uniform(0.05, 0.6)]),
                     utility=rng.choice([0.01, 0.2, 0.3, 1.0]))
-            qb = q.first_fit(r, now, batching, cap)
-            assert qb is _brute_first_fit(shadow, r, now, batching, cap)
-            if qb is None:
-                qb = _QueuedBatch(key, r, now)
-                key += 1
-                q.open(qb)
-                shadow.append(qb)
-            else:
-                q.join(qb, r)
+            key = _admit(q, shadow, r, now, batching, cap, key)
         elif op < 0.7 and shadow:  # a withdrawal or an eviction: often frees room in a full batch
-            qb = rng.choice(shadow)
-            q.keep(qb, [r for r in qb.requests if rng.random() < 0.7])
-            if not qb.requests:
-                shadow.remove(qb)
+            _keep_some(q, shadow, rng, 0.7)
         elif op < 0.8 and shadow:
-            qb = rng.choice(shadow)
-            q.remove(qb)
-            shadow.remove(qb)
+            _dispatch_one(q, shadow, rng)
         else:
             now += rng.choice([0.0, 0.01, 0.05, 0.1])
         indexed = [(k, qb) for group in q._young.values() for k, qb in group]
@@ -814,10 +826,7 @@ def test_dp_decisions_from_cached_batch_inputs_equal_a_fresh_solve():
     busy: dict[int, tuple[float, object]] = {}
     for r in bursty_requests(5, n=700):
         now = r.arrival
-        for inst, (f, b) in sorted(busy.items(), key=lambda x: x[1][0]):
-            if f <= now:
-                del busy[inst]
-                p.on_completion(b, f)
+        _complete_due(p, busy, now)
         p.on_arrival(r, now)
         if rng.random() < 0.05:
             p.withdraw(r.id - rng.randrange(1, 20), now)
@@ -875,10 +884,7 @@ def test_indexed_eviction_and_wake_up_equal_a_scan_of_every_request(make):
     seen_evictions = 0
     for r in requests:
         now = r.arrival
-        for inst, (f, b) in sorted(busy.items(), key=lambda x: x[1][0]):
-            if f <= now:
-                del busy[inst]
-                p.on_completion(b, f)
+        _complete_due(p, busy, now)
         p.on_arrival(r, now)
         idle = [i for i in range(2) if i not in busy]
         ends = list(p._busy_until.values())
