@@ -23,8 +23,9 @@ Beside it, one plain C library that XLA never calls: OTAS's Alg. 2 dynamic progr
 (``otas_dp.c``, :func:`otas_dp_library`; :func:`jaxserve.sched.otas.solve_token_dp` calls it
 through ctypes). It is built the same way, with the system C compiler (``$CC``, else gcc, cc
 or clang), ``-O2`` without fast-math or FMA contraction (its labels must equal numpy's to the
-bit), once per (source, compiler, flags, machine), into the same kernel directory, on the
-first DP a process solves. Where it cannot be had (no compiler, a failed build, an untrusted
+bit), once per (source, compiler, flags, machine), into the same kernel directory, when a
+server or simulation makes an image policy (``launch.make_policy``) or else on the first DP a
+process solves. Where it cannot be had (no compiler, a failed build, an untrusted
 kernel directory: a warning, once) or ``JAXSERVE_NATIVE_DP=0`` is set, the DP runs in
 Python/numpy: the same answers to the bit, slower. Nothing on its path imports jax (the
 schedulers must not).

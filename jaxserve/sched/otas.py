@@ -298,8 +298,8 @@ def solve_token_dp(
     (:func:`_dp_native`: numpy's per-call overhead made the stages above the simulator's
     bottleneck). It makes the same IEEE double operations, so the same :class:`DPSolution` to
     the bit (tests/unit/test_otas_native_dp.py). The C source (jaxserve/kernels/otas_dp.c) is
-    built on the first call by the system C compiler, into the kernel directory
-    (:func:`jaxserve.kernels.otas_dp_library`); without a compiler, after a failed build
+    built by the system C compiler when a server makes an image policy, else on the first call,
+    into the kernel directory (:func:`jaxserve.kernels.otas_dp_library`); without a compiler, after a failed build
     (a warning, once) or with ``JAXSERVE_NATIVE_DP=0``, the stages above run.
     """
     if len(deadlines) != len(options):
