@@ -16,7 +16,9 @@ compute_ms``; ``bench/fidelity.py`` measures it on a calibration trace. The poli
 does not see it, live or simulated: its cost model prices compute only.
 
 The idle instances are handed to ``plan`` in increasing id order, as the engine hands them
-(tests/integration/test_sim_live_decisions.py: the same batches on the same workers as live).
+(tests/integration/test_sim_live_decisions.py: the same batches on the same workers as live),
+as an :class:`~jaxserve.sched.base.IdleInstances`: also the ids that became idle since the
+previous plan, so a policy with a queue per instance need not scan every idle one.
 
 Simultaneous events run completions first (they free instances), then clients
 leaving (below), then arrivals in trace order, then the wake-up; ``plan`` is called
@@ -53,20 +55,29 @@ policy without ``withdraw``) and finishes after its client left is ``abandoned``
 computed for nobody. A leave at the very instant of a completion comes after it
 (simultaneous events above): the answer arrived in time. Evictions and rejections
 keep their outcomes (the client got that answer, or would have).
+
+Speed (bench/sim_speed.py). :func:`simulate` pauses Python's cyclic garbage collector
+while it runs and restores it as it was, even if the policy raises. The event loop
+allocates several objects per event (requests, batches, plans), and the collector's
+passes would walk every live request and batch again and again. Paused, it walks none of
+them: they hold no reference cycles, reference counting frees each as before, and most are gone when
+``simulate`` returns. Only cyclic garbage a policy makes during the run waits for the next
+collection after it.
 """
 
 from __future__ import annotations
 
+import functools
+import gc
 import math
-from bisect import insort
 from dataclasses import dataclass, field
 from heapq import heappop, heappush
 from typing import Callable, Mapping
 
 import numpy as np
 
-from jaxserve.sched.base import (AccuracyProfile, Batch, Cell, CostModel, PlacementChange, Policy, Request, Stage,
-                                 StepSummary, WorkerView)
+from jaxserve.sched.base import (AccuracyProfile, Batch, Cell, CostModel, IdleInstances, PlacementChange, Policy,
+                                 Request, Stage, StepSummary, WorkerView)
 from jaxserve.traces import Trace
 
 __all__ = ["OUTCOMES", "OK", "LATE", "EVICTED", "REJECTED", "WITHDRAWN", "ABANDONED", "SimResult", "UtilityScore",
@@ -320,6 +331,24 @@ def utility_score(result: SimResult, trace: Trace, *, correct: np.ndarray | None
         gamma_share={int(g): float(c / total) for g, c in zip(gammas, counts)}, gained=gained)
 
 
+def _collector_paused(fn: Callable) -> Callable:
+    """``fn`` with Python's cyclic garbage collector paused while it runs (module docstring,
+    Speed), and restored as it was afterwards, even if ``fn`` raises."""
+
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if collecting:
+                gc.enable()
+
+    return paused
+
+
+@_collector_paused
 def simulate(
     policy: Policy,
     trace: Trace,
@@ -415,7 +444,7 @@ def simulate(
     empty_summary = StepSummary()
     last_instance = [-1] * n  # where each request's last step ran (for transfers)
 
-    idle = list(range(instances))
+    idle = IdleInstances(range(instances))
     busy = {i: False for i in range(instances)}
     stages = {i: frozenset((holdings or {}).get(i, ())) for i in range(instances)}
     removing: set[int] = set()
@@ -448,7 +477,7 @@ def simulate(
             if change.action == "load":
                 stages[w] = stages[w] | {change.stage}
             busy[w] = False
-            insort(idle, w)
+            idle.join(w)
             policy.on_placement(change, True, load_time(change.stage) if change.stage else worker_start, now)
             policy.on_workers(views(), now)
         elif tl < tc and tl <= ta and tl <= wake:
@@ -488,7 +517,7 @@ def simulate(
                 policy.on_workers(views(), now)
             else:
                 busy[inst] = False
-                insort(idle, inst)
+                idle.join(inst)
             on_completion(batch, now, summaries)
         elif ta <= wake:
             now = ta
@@ -511,6 +540,7 @@ def simulate(
             wake = _INF
 
         plan = plan_fn(now, idle)
+        idle.planned()
         if plan.placement:
             for change in plan.placement:
                 w = change.worker
@@ -526,7 +556,7 @@ def simulate(
                     if busy[w]:
                         removing.add(w)
                     else:
-                        idle.remove(w)
+                        idle.leave(w)
                         del busy[w], stages[w]
                         policy.on_placement(change, True, 0.0, now)
                         policy.on_workers(views(), now)
@@ -537,7 +567,7 @@ def simulate(
                     if busy[w]:
                         raise RuntimeError(f"policy loaded a stage on busy worker {w}")
                     busy[w] = True
-                    idle.remove(w)
+                    idle.leave(w)
                     heappush(placements, (now + load_time(change.stage), len(batches) + len(placements), change))
         for r in plan.evict:
             if state[r] != _QUEUED and state[r] != _HELD:
@@ -574,7 +604,7 @@ def simulate(
                 state[r] = _RUNNING
                 batch_of[r] = b
             busy[inst] = True
-            idle.remove(inst)
+            idle.leave(inst)
             t = service_time(batch)
             if latency_noise:
                 if not noise:

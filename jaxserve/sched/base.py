@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -172,6 +173,56 @@ class WorkerView:
     idle: bool
 
 
+class IdleInstances(list):
+    """The idle workers' ids in increasing order, and which of them joined since the last plan.
+
+    The simulator hands :meth:`Policy.plan` one of these (the engine a plain tuple). To any
+    policy it is the sequence of idle ids. A policy that keeps a queue per instance may use it
+    to look only at the instances that can have changed since its last plan, not at every idle
+    one at every event: at 1,000 simulated instances some 300 are idle at each of about two
+    events per request, and that scan was most of a plan's time. The contract, which the
+    simulator keeps:
+
+    * the ids are in increasing order, as the engine's are (:meth:`holds` bisects);
+    * ``joined`` holds every id added since the previous ``plan`` call made with this object
+      (ids that joined and left again may stay in it);
+    * ``calls`` counts the ``plan`` calls made with it before the current one. A policy that
+      remembers the object and the count it expects next knows whether it saw every call in
+      between. If it did not, it must look at every id.
+
+    The caller changes it only through :meth:`join`, :meth:`leave` and :meth:`planned`.
+    """
+
+    __slots__ = ("joined", "calls")
+
+    def __init__(self, ids: Iterable[int] = ()) -> None:
+        super().__init__(sorted(ids))
+        self.joined: set[int] = set(self)
+        self.calls = 0
+
+    def join(self, worker: int) -> None:
+        """``worker`` is idle now (it must not be already)."""
+        insort(self, worker)
+        self.joined.add(worker)
+
+    def leave(self, worker: int) -> None:
+        """``worker`` is no longer idle; ValueError if it was not idle."""
+        i = bisect_left(self, worker)
+        if i == len(self) or self[i] != worker:
+            raise ValueError(f"worker {worker} is not idle")
+        del self[i]
+
+    def holds(self, worker: int) -> bool:
+        """Whether ``worker`` is idle (a bisection, where ``in`` scans)."""
+        i = bisect_left(self, worker)
+        return i < len(self) and self[i] == worker
+
+    def planned(self) -> None:
+        """A ``plan`` call with this object has returned: start the next ``joined``."""
+        self.joined.clear()
+        self.calls += 1
+
+
 class Policy:
     """Every hook the engine and the simulator call, always with the current time.
 
@@ -186,8 +237,9 @@ class Policy:
         raise NotImplementedError
 
     def plan(self, now: float, idle_instances: Sequence[int]) -> Plan:
-        """What to run now on the idle workers (``idle_instances``: their ids). Called
-        after every arrival, completion, placement change and requested wake-up."""
+        """What to run now on the idle workers (``idle_instances``: their ids, in increasing
+        order; the simulator's is an :class:`IdleInstances`). Called after every arrival,
+        completion, placement change and requested wake-up."""
         raise NotImplementedError
 
     def queue_depth(self) -> int:

@@ -7,6 +7,7 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pytest
 
 from jaxserve.sched.arlo import (
@@ -28,7 +29,10 @@ from jaxserve.sched.arlo import (
     solve_allocation_dp,
     solve_allocation_milp,
 )
-from jaxserve.sched.base import Cell, LatencyProfile, Request, ShapeGrid
+from jaxserve.sched.base import Cell, CostModel, LatencyProfile, Request, ShapeGrid
+from jaxserve.sched.baselines import FirstFitDispatcher
+from jaxserve.simulator import WITHDRAWN, simulate
+from jaxserve.traces import make_trace, poisson_arrivals
 
 
 def linear(per_request: float):
@@ -597,3 +601,47 @@ def test_a_switching_instance_is_busy_not_empty_to_the_dispatcher():
     assert served == set(range(40))
     policy.plan(t + 2.0, [])  # any later switch is done too (no arrivals since: no more solves)
     assert all(load == 0 for load in policy.dispatcher.loads().values())  # the charges were released
+
+
+class EveryIdleArlo(ArloPolicy):
+    """The same policy made to look at every idle instance at every plan: a plain tuple of
+    idle ids carries no record of which joined since the last plan."""
+
+    def plan(self, now, idle_instances):
+        return super().plan(now, tuple(idle_instances))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(dispatcher="arlo", max_batch=4),
+    dict(dispatcher="ilb"),
+    dict(dispatcher="ig", max_batch=2),
+    dict(dispatcher=FirstFitDispatcher, max_batch=4),
+    dict(dispatcher="arlo", redispatch_queued=True),
+], ids=["alg1", "ilb", "ig", "first-fit", "redispatch"])
+def test_planning_only_changed_instances_runs_as_a_look_at_every_idle_one(kw):
+    """Through the simulator (an IdleInstances) the policy looks only at instances that became
+    idle, were given a request or were still switching since its last plan. The same trace with
+    every plan looking at every idle instance must run identically: through reallocations that
+    switch instances (``replacement_seconds``), a shift of the lengths, and clients who leave."""
+    policy_args = dict(slo=0.1, instances=12, period=1.0, warmup=0.5, replacement_seconds=0.05,
+                       shared_runtimes=False, **kw)
+    _, prof = make_policy()
+    rng = np.random.default_rng(7)
+    n = 3200
+    arrivals = poisson_arrivals(800.0, n=n, seed=8)
+    lengths = np.where(arrivals < 2.0, rng.integers(1, 64, n), rng.integers(100, 257, n))  # short, then long
+    trace = make_trace(arrivals, model="bert", length=lengths, slo_s=0.1)
+    grid = ShapeGrid(batch_sizes=(1, 2, 4), seq_buckets=(64, 128, 256))
+    runs = []
+    for cls in (ArloPolicy, EveryIdleArlo):
+        policy = cls("bert", grid, prof, **policy_args)
+        result = simulate(policy, trace, CostModel({"bert": prof}), 12, client_timeout=0.08, latency_noise=0.2,
+                          seed=3)
+        runs.append((result, policy.counters))
+    (fast, fast_counters), (full, full_counters) = runs
+    for field in ("start", "finish", "outcome", "batch", "cell_batch", "cell_seq", "batch_start", "batch_finish",
+                  "batch_instance"):
+        np.testing.assert_array_equal(getattr(fast, field), getattr(full, field), err_msg=field)
+    assert fast_counters == full_counters
+    assert fast_counters.instances_moved > 0 and fast_counters.served > n // 2  # switches happened; most ran
+    assert (fast.outcome == WITHDRAWN).any()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import math
 
 import numpy as np
 import pytest
 
-from jaxserve.sched.base import Batch, Cell, CostModel, LatencyProfile, Plan, Policy, Request, ShapeGrid
+from jaxserve.sched.base import (Batch, Cell, CostModel, IdleInstances, LatencyProfile, Plan, Policy, Request,
+                                 ShapeGrid)
 from jaxserve.sched.batching import DeadlineBatching
 from jaxserve.simulator import ABANDONED, EVICTED, LATE, OK, OUTCOMES, REJECTED, WITHDRAWN, simulate
 from jaxserve.traces import make_trace, merge_traces, poisson_arrivals, sample_lengths
@@ -313,6 +315,70 @@ class DoubleBatcher(FifoOneByOne):
             r = self.queue[0]
             return Plan((Batch((r,), "vit", Cell(1), idle_instances[0]), Batch((r,), "vit", Cell(1), idle_instances[1])))
         return Plan()
+
+
+# -- the idle instances handed to plan, and the paused collector ----------------------------
+
+
+def test_idle_instances_keep_increasing_order_and_record_who_joined():
+    idle = IdleInstances([5, 1, 3])
+    assert list(idle) == [1, 3, 5] and idle.joined == {1, 3, 5} and idle.calls == 0
+    idle.planned()
+    assert idle.joined == set() and idle.calls == 1
+    idle.leave(3)
+    idle.join(4)
+    idle.join(0)
+    assert list(idle) == [0, 1, 4, 5] and idle.joined == {0, 4}
+    assert idle.holds(4) and idle.holds(0) and not idle.holds(3) and not idle.holds(9) and not idle.holds(-1)
+    with pytest.raises(ValueError, match="worker 3 is not idle"):
+        idle.leave(3)
+
+
+class IdleRecorder(FifoOneByOne):
+    """Records at each plan: the idle ids, the ids that joined since the last plan, the call
+    count, the instances it gave batches to, and whether the cyclic collector was on."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def plan(self, now, idle_instances):
+        plan = super().plan(now, idle_instances)
+        self.seen.append((list(idle_instances), set(idle_instances.joined), idle_instances.calls,
+                          {b.instance for b in plan.batches}, gc.isenabled()))
+        return plan
+
+
+def test_plan_gets_every_instance_that_became_idle_since_its_last_call():
+    """IdleInstances' contract as the simulator keeps it: increasing ids, a call count, and
+    ``joined`` holding every id idle now that was not left idle by the previous plan."""
+    trace = make_trace(poisson_arrivals(3.0, n=300, seed=0), model="vit")
+    policy = IdleRecorder()
+    r = simulate(policy, trace, TINY_COST, 4, latency_noise=0.5, seed=1)
+    assert (r.outcome == OK).all()
+    previous = set(range(4))  # before the first plan every instance joined
+    for k, (idle, joined, calls, dispatched, _) in enumerate(policy.seen):
+        assert idle == sorted(idle) and calls == k
+        assert set(idle) - previous <= joined, k
+        previous = set(idle) - dispatched
+    assert sum(len(j) for _, j, *_ in policy.seen) >= 300  # instances did come back, many times
+
+
+def test_the_cyclic_collector_is_paused_during_a_run_and_restored_after():
+    trace = make_trace([0.0, 0.5, 1.0], model="vit")
+    assert gc.isenabled()
+    policy = IdleRecorder()
+    simulate(policy, trace, TINY_COST, 2)
+    assert not any(on for *_, on in policy.seen) and gc.isenabled()
+    with pytest.raises(RuntimeError, match="busy"):  # a broken policy: restored all the same
+        simulate(BusyAssigner(), make_trace([0.0, 0.0], model="vit"), TINY_COST, 2)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        simulate(IdleRecorder(), trace, TINY_COST, 2)
+        assert not gc.isenabled()  # a caller that had it off keeps it off
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize(

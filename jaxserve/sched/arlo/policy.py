@@ -25,6 +25,7 @@ from jaxserve.sched.base import (
     Batch,
     Cell,
     CostModel,
+    IdleInstances,
     LatencyProfile,
     Plan,
     Policy,
@@ -89,7 +90,12 @@ class ArloPolicy(Policy):
     * ``on_arrival`` records the length for the runtime scheduler and dispatches the
       request to an instance with the request scheduler (``dispatcher``: ``"arlo"``
       = Alg. 1, ``"ilb"``, ``"ig"``).
-    * ``plan`` gives idle instances (the caller's truth) batches as above.
+    * ``plan`` gives idle instances (the caller's truth) batches as above. With an
+      :class:`~jaxserve.sched.base.IdleInstances` whose every call it saw (the
+      simulator's), it looks only at instances that can have work it had not seen:
+      those that became idle, those given a request, and those that were still
+      switching, since its last plan (every other idle instance left that plan with
+      an empty queue). Otherwise it looks at every idle instance with a queue.
     * Every callback first lets the runtime scheduler reallocate (``warmup``
       seconds after the first arrival, then every ``period``); an instance that switches runtime keeps its running batch, its
       queued requests are re-dispatched (nothing is lost), and with
@@ -211,6 +217,12 @@ class ArloPolicy(Policy):
         self.counters = ArloCounters()
         self._queues: dict[int, deque[Request]] = {}
         self._filled: set[int] = set()  # every instance whose FIFO may hold requests (and some emptied since)
+        # plan's look at changed instances only (class docstring): the IdleInstances and call count it
+        # expects next, instances given a request since the last plan, and those it left waiting for a switch
+        self._idle_seen: IdleInstances | None = None
+        self._idle_calls = 0
+        self._touched: set[int] = set()
+        self._waiting: set[int] = set()
         self._ready_at: dict[int, float] = {}
         self._running: dict[int, int] = {}  # request id -> instance
         self._arrival: dict[int, float] = {}
@@ -313,12 +325,9 @@ class ArloPolicy(Policy):
         batches = []
         wake = _INF
         queues = self._queues
-        # The idle instances with queued requests, in the caller's order: a set intersection in C
-        # instead of a look at every idle instance (~500 of 1000, with at most one to serve).
-        filled = self._filled.intersection(idle_instances)
-        if len(filled) > 1:  # back into the caller's order (first position of each id)
-            position = {w: i for i, w in reversed(list(enumerate(idle_instances)))}
-            filled = sorted(filled, key=position.__getitem__)
+        filled = self._idle_filled(idle_instances)
+        waiting = self._waiting
+        waiting.clear()
         for inst in filled:
             queue = queues.get(inst)
             if not queue:
@@ -327,6 +336,7 @@ class ArloPolicy(Policy):
             ready = self._ready_at[inst]
             if ready > now:
                 wake = min(wake, ready)
+                waiting.add(inst)
                 continue
             rt = self.dispatcher.level_of(inst)
             k = min(len(queue), self.level_max_batch[rt])
@@ -340,6 +350,29 @@ class ArloPolicy(Policy):
             self.counters.served += k
             batches.append(Batch(tuple(r.id for r in taken), self.model, self._cell_for(rt, taken), inst))
         return Plan(batches=tuple(batches), wake_at=wake)
+
+    def _idle_filled(self, idle_instances: Sequence[int]) -> list[int] | set[int]:
+        """The idle instances whose FIFO may hold requests, in the caller's order (its
+        :meth:`plan`, per-instance queues; class docstring)."""
+        touched = self._touched
+        self._touched = set()
+        if type(idle_instances) is IdleInstances:
+            seen = idle_instances is self._idle_seen and idle_instances.calls == self._idle_calls
+            self._idle_seen, self._idle_calls = idle_instances, idle_instances.calls + 1
+            if seen:
+                touched.update(idle_instances.joined)
+                touched.update(self._waiting)
+                touched.intersection_update(self._filled)
+                holds = idle_instances.holds
+                return sorted(w for w in touched if holds(w))  # increasing: the caller's order
+        else:
+            self._idle_seen = None
+        # A set intersection in C instead of a look at every idle instance in Python.
+        filled = self._filled.intersection(idle_instances)
+        if len(filled) > 1:  # back into the caller's order (first position of each id)
+            position = {w: i for i, w in reversed(list(enumerate(idle_instances)))}
+            filled = sorted(filled, key=position.__getitem__)
+        return filled
 
     def _plan_groups(self, now: float, idle_instances: Sequence[int]) -> Plan:
         """Runtime groups: each group's batcher plans for the group's idle, ready instances."""
@@ -520,6 +553,7 @@ class ArloPolicy(Policy):
             q = self._queues[inst]
             q.append(request)
             self._filled.add(inst)
+            self._touched.add(inst)
             return q
         level = self.dispatcher.level_of(inst)
         self._batcher(level).on_arrival(request, request.arrival)
