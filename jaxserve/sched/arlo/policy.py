@@ -36,6 +36,9 @@ from jaxserve.sched.base import (
 )
 
 
+_NOTHING = Plan()  # a plan with nothing to do (frozen: one serves every such call)
+
+
 @dataclass
 class ArloCounters:
     """What :class:`ArloPolicy` reports for metrics."""
@@ -328,6 +331,8 @@ class ArloPolicy(Policy):
         filled = self._idle_filled(idle_instances)
         waiting = self._waiting
         waiting.clear()
+        if not filled:
+            return _NOTHING
         for inst in filled:
             queue = queues.get(inst)
             if not queue:
@@ -364,7 +369,10 @@ class ArloPolicy(Policy):
                 touched.update(self._waiting)
                 touched.intersection_update(self._filled)
                 holds = idle_instances.holds
-                return sorted(w for w in touched if holds(w))  # increasing: the caller's order
+                filled = [w for w in touched if holds(w)]
+                if len(filled) > 1:
+                    filled.sort()  # increasing: the caller's order
+                return filled
         else:
             self._idle_seen = None
         # A set intersection in C instead of a look at every idle instance in Python.
