@@ -384,20 +384,29 @@ class ArloPolicy(Policy):
 
     def _plan_groups(self, now: float, idle_instances: Sequence[int]) -> Plan:
         """Runtime groups: each group's batcher plans for the group's idle, ready instances."""
+        members_of = self._members
+        if not any(members_of.values()):
+            return _NOTHING  # no group holds a request: no batch, no eviction, no wake-up
         d = self.dispatcher
+        level_of = d.level_of
+        queues, ready_at = self._queues, self._ready_at
         idle: dict[int, list[int]] = {}
         wake = _INF
         for inst in idle_instances:
-            if inst not in self._queues:
+            if inst not in queues:
                 continue  # an inactive slot (scale pool)
-            level = d.level_of(inst)
-            if not self._members.get(level):
+            level = level_of(inst)
+            if not members_of.get(level):
                 continue
-            ready = self._ready_at[inst]
+            ready = ready_at[inst]
             if ready > now:
                 wake = min(wake, ready)
                 continue
-            idle.setdefault(level, []).append(inst)
+            group = idle.get(level)
+            if group is None:
+                idle[level] = [inst]
+            else:
+                group.append(inst)
         batches: list[Batch] = []
         evict: list[int] = []
         for level, members in self._members.items():
