@@ -16,7 +16,9 @@
  * a prefix of what is left; so each column keeps a head past that prefix, and the next candidate in the
  * order is the least head by (clock, neg, parent, column). Where rounding gives a column two equal
  * clocks at its head (the head would then not be the column's least candidate) the stage is redone by
- * sorting every candidate (qsort, the full key), which is also the path `general` forces (tests).
+ * writing out every candidate, each column put in full-key order (only its runs of equal clocks move),
+ * and merging the columns (stage_merged). `general` forces a plain qsort of every candidate by the full
+ * key instead (stage_sorted), for the tests: the order both give.
  *
  * The caller guarantees no NaN can arise (start not NaN, every option finite). A candidate whose neg
  * overflows to an infinity returns OTAS_DP_NONFINITE: the numpy stage's near-tie shortcuts and the
@@ -214,6 +216,45 @@ static int64_t stage_sorted(const stage_t *st, cand_t *out, cand_t *all) {
     return kept;
 }
 
+/* The same by merging the columns, for a stage the fast one hands back (equal clocks at a head): each
+ * column's candidates are written in parent order, which is clock order but for runs of equal clocks
+ * (rounding); an insertion sort by the full key puts those runs in order, which moves nothing else, and
+ * the sorted columns are merged by the full key. The full key orders every candidate apart (parent and
+ * column are unique), so this is the order qsort gives, in O(candidates x columns). all (capacity >=
+ * n_labels * width) and cut (2 * width) are scratch. */
+static int64_t stage_merged(const stage_t *st, cand_t *restrict out, cand_t *restrict all, int64_t *restrict cut) {
+    const int64_t w = st->width;
+    int64_t n = 0;
+    for (int64_t j = 0; j < w; j++) {
+        const int64_t first = n;
+        cut[2 * j] = first;
+        for (int64_t p = 0; p < st->end[j]; p++) {
+            cand_t c = {CLOCK(st, p, j), NEG(st, p, j), p, j};
+            int64_t at = n++;
+            while (at > first && cand_cmp(&all[at - 1], &c) > 0) {
+                all[at] = all[at - 1];
+                at--;
+            }
+            all[at] = c;
+        }
+        cut[2 * j + 1] = n;
+    }
+    int64_t kept = 0;
+    double last = INFINITY;
+    for (;;) {
+        int64_t bj = -1;
+        for (int64_t j = 0; j < w; j++)
+            if (cut[2 * j] < cut[2 * j + 1] && (bj < 0 || cand_cmp(&all[cut[2 * j]], &all[cut[2 * bj]]) < 0)) bj = j;
+        if (bj < 0) break;
+        const cand_t *c = &all[cut[2 * bj]++];
+        if (keeps(c->neg, last, kept == 0)) {
+            out[kept++] = *c;
+            last = c->neg;
+        }
+    }
+    return kept;
+}
+
 /* Alg. 2 over n_stages batches. records: per stage, its option count m (as a double), then m pairs
  * (seconds, utility) of its undominated options in column order. Out: columns[b] (0: not executed,
  * j: the j-th undominated option), result = (clock, neg) of the best final label, widest (labels of the
@@ -222,7 +263,7 @@ static int64_t stage_sorted(const stage_t *st, cand_t *out, cand_t *all) {
 int64_t jaxserve_otas_dp(int64_t n_stages, const double *deadlines, const double *records, double start,
                          int64_t max_labels, int64_t general, int32_t *columns, double *result,
                          int64_t *widest_out, int64_t *truncated_out) {
-    static _Thread_local buf_t fc, fn, kept, scratch, link_parent, link_column, link_at, per_column;
+    static _Thread_local buf_t fc, fn, kept, scratch, cuts, link_parent, link_column, link_at, per_column;
     int64_t rc = OTAS_DP_NOMEM, n_labels = 1, widest = 1, truncated = 0, links = 0;
     if (reserve(&fc, 1, sizeof(double)) || reserve(&fn, 1, sizeof(double)) ||
         reserve(&link_at, (size_t)n_stages + 1, sizeof(int64_t)))
@@ -265,8 +306,8 @@ int64_t jaxserve_otas_dp(int64_t n_stages, const double *deadlines, const double
         stage_t st = {fcs, fns, n_labels, seconds, gains, end, w};
         int64_t k = general ? -OTAS_DP_RUN : stage_fast(&st, kept.data, cols);
         if (k < 0) {
-            if (reserve(&scratch, most, sizeof(cand_t))) goto done;
-            k = stage_sorted(&st, kept.data, scratch.data);
+            if (reserve(&scratch, most, sizeof(cand_t)) || reserve(&cuts, (size_t)(2 * w), sizeof(int64_t))) goto done;
+            k = general ? stage_sorted(&st, kept.data, scratch.data) : stage_merged(&st, kept.data, scratch.data, cuts.data);
         }
         const cand_t *kc = kept.data;
         const int thin = k > max_labels;
@@ -310,6 +351,7 @@ done:
     release_large(&fn);
     release_large(&kept);
     release_large(&scratch);
+    release_large(&cuts);
     release_large(&link_parent);
     release_large(&link_column);
     release_large(&link_at);

@@ -396,7 +396,7 @@ def _dp_native(deadlines: Sequence[float], options: Sequence[Sequence[GammaOptio
     where the Python and numpy stages' near-tie shortcuts could part), and the caller's stages run
     instead. The same labels as those stages, to the bit: the C code makes the same IEEE double
     operations in the same order, compiled without fast-math or FMA contraction. ``sort_all``: every
-    stage by sorting all its candidates, the C code's slow path (tests)."""
+    stage by a plain sort of all its candidates, the C code's reference order (tests)."""
     from jaxserve.kernels import otas_dp_library
 
     native = otas_dp_library()
