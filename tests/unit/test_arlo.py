@@ -603,6 +603,39 @@ def test_a_switching_instance_is_busy_not_empty_to_the_dispatcher():
     assert all(load == 0 for load in policy.dispatcher.loads().values())  # the charges were released
 
 
+
+def test_in_runtime_groups_a_switching_instance_starts_nothing_until_its_switch_is_done():
+    """Runtime groups, replacement_seconds = 1: the solve at t = 1 merges the two groups, so
+    instances 0 and 1 switch runtime until t = 2. They take no batch before then, each plan asks
+    to be woken when they are ready, and then they take work."""
+    policy, _ = make_policy(instances=4, shared_runtimes=True, initial_allocation=(2, 0, 2), period=1.0,
+                            warmup=1.0, replacement_seconds=1.0, max_batch=4)
+    idle = [0, 1, 2, 3]
+
+    def plan(now):
+        got = policy.plan(now, list(idle))
+        for b in got.batches:
+            idle.remove(b.instance)
+            policy.on_completion(b, now + 0.4)  # told early; the instance stays busy until idle again
+        return got
+
+    assert plan(0.0).batches == ()
+    for k in range(80):  # queued while no plan is asked for
+        policy.on_arrival(Request(k, k / 80, "bert", length=200 if k % 2 else 10), k / 80)
+    policy.on_arrival(Request(80, 1.0, "bert", length=200), 1.0)  # the solve is due: groups merge
+    assert [i for i in range(4) if policy._ready_at[i] > 1.0] == [0, 1] and policy.counters.instances_moved == 2
+    served = []
+    for now in (1.0, 1.5):
+        got = plan(now)
+        assert sorted(b.instance for b in got.batches) == [2, 3] and got.wake_at == pytest.approx(2.0)
+        served += [r for b in got.batches for r in b.request_ids]
+        idle.extend([2, 3])
+    got = plan(2.0)
+    assert sorted(b.instance for b in got.batches) == [0, 1, 2, 3]  # switched: all four take work
+    served += [r for b in got.batches for r in b.request_ids]
+    assert len(set(served)) == len(served) == 32  # 2 + 2 + 4 full batches of 4, nothing twice
+
+
 class EveryIdleArlo(ArloPolicy):
     """The same policy made to look at every idle instance at every plan: a plain tuple of
     idle ids carries no record of which joined since the last plan."""
@@ -611,31 +644,43 @@ class EveryIdleArlo(ArloPolicy):
         return super().plan(now, tuple(idle_instances))
 
 
+def _scaling(**kw):
+    return dict(instances=4, scale_pool=12, period=1.0, warmup=0.5,
+                autoscaler=TargetTrackingAutoscaler(slo=0.1, window=0.5, interval=0.05, scale_in_period=0.3,
+                                                    scale_in_below=0.9, cooldown=0.1), **kw)
+
+
 @pytest.mark.parametrize("kw", [
-    dict(dispatcher="arlo", max_batch=4),
-    dict(dispatcher="ilb"),
-    dict(dispatcher="ig", max_batch=2),
-    dict(dispatcher=FirstFitDispatcher, max_batch=4),
-    dict(dispatcher="arlo", redispatch_queued=True),
-], ids=["alg1", "ilb", "ig", "first-fit", "redispatch"])
+    lambda: dict(dispatcher="arlo", max_batch=4),
+    lambda: dict(dispatcher="ilb"),
+    lambda: dict(dispatcher="ig", max_batch=2),
+    lambda: dict(dispatcher=FirstFitDispatcher, max_batch=4),
+    lambda: dict(dispatcher="arlo", redispatch_queued=True),
+    lambda: _scaling(max_batch=2),
+], ids=["alg1", "ilb", "ig", "first-fit", "redispatch", "scaling"])
 def test_planning_only_changed_instances_runs_as_a_look_at_every_idle_one(kw):
     """Through the simulator (an IdleInstances) the policy looks only at instances that became
     idle, were given a request or were still switching since its last plan. The same trace with
     every plan looking at every idle instance must run identically: through reallocations that
-    switch instances (``replacement_seconds``), a shift of the lengths, and clients who leave."""
-    policy_args = dict(slo=0.1, instances=12, period=1.0, warmup=0.5, replacement_seconds=0.05,
-                       shared_runtimes=False, **kw)
+    switch instances (``replacement_seconds``), a shift of the lengths, clients who leave, and
+    scale-out and scale-in inside a pool of slots."""
     _, prof = make_policy()
     rng = np.random.default_rng(7)
     n = 3200
-    arrivals = poisson_arrivals(800.0, n=n, seed=8)
-    lengths = np.where(arrivals < 2.0, rng.integers(1, 64, n), rng.integers(100, 257, n))  # short, then long
+    rate = kw().get("rate", 800.0)
+    burst = poisson_arrivals(rate, n=n // 2, seed=8)
+    arrivals = np.concatenate([burst, burst[-1] + poisson_arrivals(rate / 6, n=n - n // 2, seed=9)])  # then a lull
+    lengths = np.where(arrivals < arrivals[n // 4], rng.integers(1, 64, n), rng.integers(100, 257, n))  # short, then long
     trace = make_trace(arrivals, model="bert", length=lengths, slo_s=0.1)
     grid = ShapeGrid(batch_sizes=(1, 2, 4), seq_buckets=(64, 128, 256))
     runs = []
     for cls in (ArloPolicy, EveryIdleArlo):
-        policy = cls("bert", grid, prof, **policy_args)
-        result = simulate(policy, trace, CostModel({"bert": prof}), 12, client_timeout=0.08, latency_noise=0.2,
+        args = dict(slo=0.1, instances=12, period=1.0, warmup=0.5, replacement_seconds=0.05, shared_runtimes=False)
+        args.update(kw())
+        args.pop("rate", None)
+        policy = cls("bert", grid, prof, **args)
+        slots = args.get("scale_pool") or args["instances"]
+        result = simulate(policy, trace, CostModel({"bert": prof}), slots, client_timeout=0.08, latency_noise=0.2,
                           seed=3)
         runs.append((result, policy.counters))
     (fast, fast_counters), (full, full_counters) = runs
@@ -643,5 +688,9 @@ def test_planning_only_changed_instances_runs_as_a_look_at_every_idle_one(kw):
                   "batch_instance"):
         np.testing.assert_array_equal(getattr(fast, field), getattr(full, field), err_msg=field)
     assert fast_counters == full_counters
-    assert fast_counters.instances_moved > 0 and fast_counters.served > n // 2  # switches happened; most ran
-    assert (fast.outcome == WITHDRAWN).any()
+    assert fast_counters.served > n // 2 and (fast.outcome == WITHDRAWN).any()  # most ran; clients left
+    if "autoscaler" in args:
+        assert {d.action for d in fast_counters.scale_decisions} == {"out", "in"}  # it scaled both ways
+        assert len(policy.instance_log) > 2
+    else:
+        assert fast_counters.instances_moved > 0  # instances switched runtime (group)
