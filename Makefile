@@ -45,10 +45,14 @@ warmup: install
 serve: warmup
 	$(BIN)/jaxserve serve --host $(HOST) --port $(PORT)
 
-# the suite, then the HTTP tests again with every server's workers as Ray actors (--workers ray)
+# the suite, then the HTTP tests again with every server's workers as Ray actors (--workers ray);
+# TEST_JOBS pytest processes (pytest-xdist), each test file whole in one of them (module fixtures,
+# such as a module's server, are set up once); TEST_JOBS=0 runs everything in this one process
+TEST_JOBS ?= 2
+PYTEST := $(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile)
 test: install
-	$(BIN)/python -m pytest -q
-	JAXSERVE_TEST_WORKERS=ray $(BIN)/python -m pytest -q tests/integration/test_server.py tests/integration/test_otas_serving.py \
+	$(PYTEST)
+	JAXSERVE_TEST_WORKERS=ray $(PYTEST) tests/integration/test_server.py tests/integration/test_otas_serving.py \
 		tests/integration/test_asyfunc_serving.py
 
 # then: python -m bench.status (what is stale), python -m bench.headline --write (README's table)
