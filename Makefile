@@ -45,15 +45,13 @@ warmup: install
 serve: warmup
 	$(BIN)/jaxserve serve --host $(HOST) --port $(PORT)
 
-# the suite, then the HTTP tests again with every server's workers as Ray actors (--workers ray);
-# TEST_JOBS pytest processes (pytest-xdist), each test file whole in one of them (module fixtures,
-# such as a module's server, are set up once); TEST_JOBS=0 runs everything in this one process
+# the suite, the HTTP tests among it twice: as written, and with every server's workers as Ray
+# actors (tests/integration/*_on_ray.py); TEST_JOBS pytest processes (pytest-xdist), each test file
+# whole in one of them (module fixtures, such as a module's server, are set up once); TEST_JOBS=0
+# runs everything in this one process
 TEST_JOBS ?= 2
-PYTEST := $(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile)
 test: install
-	$(PYTEST)
-	JAXSERVE_TEST_WORKERS=ray $(PYTEST) tests/integration/test_server.py tests/integration/test_otas_serving.py \
-		tests/integration/test_asyfunc_serving.py
+	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile)
 
 # then: python -m bench.status (what is stale), python -m bench.headline --write (README's table)
 bench: install

@@ -29,8 +29,8 @@ def minilm(minilm_dir):
 # this list). `make test` runs files in parallel (pytest-xdist, --dist loadfile), handing them out
 # in collection order as workers free up; started first, the long ones do not leave one worker
 # running alone at the end. The sort is stable: order within a file is kept, and nothing else moves.
-SLOW_FIRST = ("test_cli.py", "test_quart_serving.py", "test_compile_cache.py", "test_server.py",
-              "test_ray_workers.py", "test_asyfunc_serving.py")
+SLOW_FIRST = ("test_cli.py", "test_quart_serving.py", "test_compile_cache.py", "test_server_on_ray.py",
+              "test_server.py", "test_ray_workers.py", "test_asyfunc_serving_on_ray.py", "test_asyfunc_serving.py")
 
 
 def pytest_collection_modifyitems(config, items):

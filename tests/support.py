@@ -26,11 +26,47 @@ def free_port() -> int:
 
 
 # Where the servers these tests start run their steps: "thread" (the default) or "ray"
-# (`make test` runs the HTTP tests a second time with JAXSERVE_TEST_WORKERS=ray)
+# (JAXSERVE_TEST_WORKERS=ray: every server of the run); a *_on_ray module sets "ray" while its
+# copy of an HTTP test module runs (rerun_on_ray). Read it through workers_in_use().
 TEST_WORKERS = os.environ.get("JAXSERVE_TEST_WORKERS", "thread")
 
 
+def workers_in_use() -> str:
+    """Where a server a test starts now runs its steps: "thread" or "ray"."""
+    return TEST_WORKERS
+
+
+def rerun_on_ray(module) -> dict:
+    """What a module that reruns ``module``'s tests with every server's workers as Ray actors puts
+    in its namespace (``globals().update(rerun_on_ray(module))``): ``module``'s tests, fixtures
+    (module-scoped ones are set up again, for the copy) and marks, and a module-scoped autouse
+    fixture that sets :data:`TEST_WORKERS` to "ray" before any other fixture of the module and
+    restores it after the module's last test (and fails there if no server of the module ran on
+    Ray). A Ray this module started is shut down there too, so the next module in the process
+    starts its own as it would have."""
+    import pytest
+    import ray
+
+    @pytest.fixture(scope="module", autouse=True)
+    def _workers_on_ray():
+        global TEST_WORKERS
+        running, before, TEST_WORKERS = ray.is_initialized(), TEST_WORKERS, "ray"
+        on_ray = LiveServer.started.get("ray", 0)
+        try:
+            yield
+        finally:
+            TEST_WORKERS = before
+            if not running:
+                ray.shutdown()
+        assert LiveServer.started.get("ray", 0) > on_ray, "no server of this module ran on Ray"
+
+    names = {k: v for k, v in vars(module).items() if not k.startswith("__")}
+    return {**names, "_workers_on_ray": _workers_on_ray}
+
+
 class LiveServer:
+    started: dict = {}  # servers ready so far in this process, per kind of worker their engine ran
+
     def __init__(self, settings: ServeSettings):
         if settings.workers == "thread" and TEST_WORKERS != "thread" and settings.policy != "dt":
             settings = dataclasses.replace(settings, workers=TEST_WORKERS)
@@ -49,6 +85,8 @@ class LiveServer:
             while time.monotonic() < deadline:
                 try:
                     if c.get("/readyz").status_code == 200:
+                        for kind in {w.kind for w in self.app.state.jaxserve.engine.workers.values()}:
+                            LiveServer.started[kind] = LiveServer.started.get(kind, 0) + 1
                         return self
                 except httpx.TransportError:
                     pass

@@ -3,8 +3,8 @@ loopback, with the real MiniLM-L6 weights: a burst makes the policy add a shadow
 split batches across body and shadow; every answer equals the unsplit model's; the shadow is
 released once the burst has passed; the policy's cores and bytes are in /metrics; BATCH and
 AsyFunc⁻ never add a shadow; a text longer than the profiled bucket is refused with the limit.
-`make test` runs this module a second time with Ray workers, where the shadow is the node's warm
-pool actor.
+test_asyfunc_serving_on_ray.py runs this module again with Ray workers, where the shadow is the
+node's warm pool actor.
 
 The layer profile is this module's (input data, like a cost model): prices at which a body of one
 core gains from a one-core shadow at the block [2:4), on a bucket of 16 tokens, scaled to tens of
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from jaxserve.launch import ServeSettings
-from support import LiveServer, TEST_WORKERS, _series, _until
+from support import LiveServer, _series, _until, workers_in_use
 
 MODEL, L, SEQ = "minilm-l6", 6, 16
 SENTENCES = ["the flight was late again", "great service, thank you!", "lost my bag at the airport",
@@ -118,10 +118,10 @@ def test_a_burst_adds_a_shadow_splits_batches_answers_as_the_whole_model_and_rel
         assert gauge(srv.url, "asyfunc_cores", kind="shadow") == 0.0
         assert gauge(srv.url, "asyfunc_param_bytes", kind="body") == 90_261_504
         assert _series(srv.url, "jaxserve_compilations_since_ready") == 0.0
-        # under --workers ray (`make test`'s second pass) the shadow came from the warm pool actor
+        # under --workers ray (test_asyfunc_serving_on_ray.py) the shadow came from the warm pool actor
         kinds = {w.kind for w in engine.workers.values()}
-        assert kinds == ({"thread"} if TEST_WORKERS == "thread" else {"ray"})
-        if TEST_WORKERS == "ray":
+        assert kinds == ({"thread"} if workers_in_use() == "thread" else {"ray"})
+        if workers_in_use() == "ray":
             assert engine.worker_factory.shadows_from_pool == 1
 
 
