@@ -42,22 +42,24 @@ def rerun_on_ray(module) -> dict:
     (module-scoped ones are set up again, for the copy) and marks, and a module-scoped autouse
     fixture that sets :data:`TEST_WORKERS` to "ray" before any other fixture of the module and
     restores it after the module's last test (and fails there if no server of the module ran on
-    Ray). A Ray this module started is shut down there too, so the next module in the process
-    starts its own as it would have."""
+    Ray). Ray is shut down before the module and after it: a Ray an earlier module of the process
+    left running has that module's CPUs and object store, and this module's servers would join it
+    instead of starting one sized for their workers; so each such module, and the next one, runs
+    on a Ray of its own, as in a process of its own."""
     import pytest
     import ray
 
     @pytest.fixture(scope="module", autouse=True)
     def _workers_on_ray():
         global TEST_WORKERS
-        running, before, TEST_WORKERS = ray.is_initialized(), TEST_WORKERS, "ray"
+        ray.shutdown()  # a Ray an earlier module of this process left running, sized for that module
+        before, TEST_WORKERS = TEST_WORKERS, "ray"
         on_ray = LiveServer.started.get("ray", 0)
         try:
             yield
         finally:
             TEST_WORKERS = before
-            if not running:
-                ray.shutdown()
+            ray.shutdown()
         assert LiveServer.started.get("ray", 0) > on_ray, "no server of this module ran on Ray"
 
     names = {k: v for k, v in vars(module).items() if not k.startswith("__")}
