@@ -6,6 +6,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,6 +38,21 @@ def cache_dir(tmp_path):
     return tmp_path / "cache"
 
 
+@pytest.fixture(scope="module")
+def _warmed_once(tmp_path_factory):
+    path = tmp_path_factory.mktemp("warmed") / "cache"
+    _table(CompileCache(path, use_xla_cache=False))
+    return path
+
+
+@pytest.fixture()
+def warmed_dir(_warmed_once, tmp_path):
+    """A cache holding every cell of GRID, this test's own copy (warmed once per module)."""
+    import shutil
+
+    return Path(shutil.copytree(_warmed_once, tmp_path / "cache"))
+
+
 def test_second_start_loads_serialized_executables_without_compiling(cache_dir):
     weights = weights_of(init_bert(CFG, seed=1))
     t1, rows1 = _table(CompileCache(cache_dir, use_xla_cache=False))
@@ -53,8 +69,8 @@ def test_second_start_loads_serialized_executables_without_compiling(cache_dir):
     assert len(manifest["entries"]) == len(GRID.cells())
 
 
-def test_one_executable_serves_every_checkpoint_of_a_config(cache_dir):
-    t, _ = _table(CompileCache(cache_dir, use_xla_cache=False))
+def test_one_executable_serves_every_checkpoint_of_a_config(warmed_dir):
+    t, _ = _table(CompileCache(warmed_dir, use_xla_cache=False))
     a, b = weights_of(init_bert(CFG, seed=1)), weights_of(init_bert(CFG, seed=2))
     assert not np.allclose(_embed(t, a), _embed(t, b))
 
@@ -64,8 +80,9 @@ def test_one_executable_serves_every_checkpoint_of_a_config(cache_dir):
     ["program", "entry_format", "jax", "jaxlib", "flax", "xla_flags", "device_kind", "host_cpu",
      "jax_default_matmul_precision"],
 )
-def test_other_versions_or_flags_never_load_a_stale_entry(cache_dir, monkeypatch, change):
-    table, _ = _table(CompileCache(cache_dir, use_xla_cache=False))
+def test_other_versions_or_flags_never_load_a_stale_entry(warmed_dir, monkeypatch, change):
+    table, rows = _table(CompileCache(warmed_dir, use_xla_cache=False))
+    assert {r.source for r in rows} == {"serialized"}  # the stored entries load under today's key
     cell = Cell(2, 16)
     stored_key, _ = table._key(cell)
     real = cc.environment_fingerprint
@@ -107,12 +124,12 @@ def test_other_config_or_shape_never_loads_a_stale_entry(cache_dir):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "garbage_with_valid_checksum"])
-def test_corrupt_entry_is_reported_discarded_and_rebuilt(cache_dir, damage):
+def test_corrupt_entry_is_reported_discarded_and_rebuilt(warmed_dir, damage):
     weights = weights_of(init_bert(CFG, seed=1))
-    t1, rows = _table(CompileCache(cache_dir, use_xla_cache=False))
+    t1, rows = _table(CompileCache(warmed_dir, use_xla_cache=False))
     expected = _embed(t1, weights)
     victim = next(r for r in rows if r.cell == Cell(2, 16).label())
-    payload = cache_dir / "executables" / f"{victim.key}.bin"
+    payload = warmed_dir / "executables" / f"{victim.key}.bin"
     data = payload.read_bytes()
     if damage == "truncate":
         payload.write_bytes(data[: len(data) // 2])
@@ -120,7 +137,7 @@ def test_corrupt_entry_is_reported_discarded_and_rebuilt(cache_dir, damage):
         payload.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
     else:  # a payload that passes the checksum but is not an executable
         payload.write_bytes(cc._frame(b"not an executable" * 10))
-    cache = CompileCache(cache_dir, use_xla_cache=False)
+    cache = CompileCache(warmed_dir, use_xla_cache=False)
     t2, rows2 = _table(cache)
     sources = {r.cell: r.source for r in rows2}
     assert sources[Cell(2, 16).label()] == "rebuilt"
@@ -128,7 +145,7 @@ def test_corrupt_entry_is_reported_discarded_and_rebuilt(cache_dir, damage):
     assert any(victim.key in e for e in cache.events)
     np.testing.assert_array_equal(_embed(t2, weights), expected)
     # and the rebuilt entry is good again
-    _, rows3 = _table(CompileCache(cache_dir, use_xla_cache=False))
+    _, rows3 = _table(CompileCache(warmed_dir, use_xla_cache=False))
     assert {r.source for r in rows3} == {"serialized"}
 
 
