@@ -4,6 +4,7 @@ engine's, so the same objects run in both."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import socket
@@ -54,20 +55,20 @@ def rerun_on_ray(module) -> dict:
         global TEST_WORKERS
         ray.shutdown()  # a Ray an earlier module of this process left running, sized for that module
         before, TEST_WORKERS = TEST_WORKERS, "ray"
-        on_ray = LiveServer.started.get("ray", 0)
+        on_ray = LiveServer.started["ray"]
         try:
             yield
         finally:
             TEST_WORKERS = before
             ray.shutdown()
-        assert LiveServer.started.get("ray", 0) > on_ray, "no server of this module ran on Ray"
+        assert LiveServer.started["ray"] > on_ray, "no server of this module ran on Ray"
 
     names = {k: v for k, v in vars(module).items() if not k.startswith("__")}
     return {**names, "_workers_on_ray": _workers_on_ray}
 
 
 class LiveServer:
-    started: dict = {}  # servers ready so far in this process, per kind of worker their engine ran
+    started = collections.Counter()  # servers ready so far in this process, per kind of worker their engine ran
 
     def __init__(self, settings: ServeSettings):
         if settings.workers == "thread" and TEST_WORKERS != "thread" and settings.policy != "dt":
@@ -87,8 +88,7 @@ class LiveServer:
             while time.monotonic() < deadline:
                 try:
                     if c.get("/readyz").status_code == 200:
-                        for kind in {w.kind for w in self.app.state.jaxserve.engine.workers.values()}:
-                            LiveServer.started[kind] = LiveServer.started.get(kind, 0) + 1
+                        LiveServer.started.update({w.kind for w in self.app.state.jaxserve.engine.workers.values()})
                         return self
                 except httpx.TransportError:
                     pass

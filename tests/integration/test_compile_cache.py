@@ -101,7 +101,6 @@ def test_other_versions_or_flags_never_load_a_stale_entry(warmed_dir, monkeypatc
 
 def test_program_fingerprint_follows_the_model_sources(tmp_path):
     import shutil
-    from pathlib import Path
 
     pkg = tmp_path / "jaxserve"
     shutil.copytree(Path(cc.__file__).parent, pkg, ignore=shutil.ignore_patterns("__pycache__", "assets", "profiles"))
