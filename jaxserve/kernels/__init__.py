@@ -316,7 +316,7 @@ def build_otas_dp(directory: Path | None = None) -> NativeDP:
     library = ctypes.CDLL(str(path))
     solve = getattr(library, _OTAS_DP_SYMBOL)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    solve.argtypes = (i64, ptr, ptr, ctypes.c_double, i64, i64, ptr, ptr, ptr, ptr)
+    solve.argtypes = (i64, ptr, ptr, ctypes.c_double, ctypes.c_double, i64, i64, ptr, ptr, ptr, ptr)
     solve.restype = i64
     _LIBRARIES.append(library)
     return NativeDP(solve=solve, path=path, build_id=build_id, built_seconds=seconds)

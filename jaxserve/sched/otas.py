@@ -93,9 +93,22 @@ and f(q)'s gamma is always a candidate); else f(q). Used when ``N_B <= beta`` (A
 Arrival rate q: arrivals in the last ``rate_window`` seconds divided by the window (by
 the elapsed time since start, floored at a tenth of the window, during the first window).
 
-Several instances: OTAS plans for one sequential executor (Sec. III-A). With k idle
-instances we hand out the first k executed batches of the same plan, one each — earlier
-than the plan assumed, so no deadline the plan met is missed.
+Several instances. OTAS plans for one sequential executor (Sec. III-A); a server with m
+instances is m executors. Planned for one executor, both algorithms misread the load
+once m > 1: Alg. 3's f(q) compares the fleet's rate q with one instance's capacity (so
+it picks the fastest gamma), and Alg. 2 prices the queue as if it ran one batch after
+another (at 100 instances it defers most queued batches and picks ToMe while instances
+stand idle). Decision: the m executors share one clock. Plans read m = the instances
+served (busy or idle, :meth:`SelectiveBatchingPolicy._share`). A batch started at clock
+T must still finish, T + t_b, before d_b (it runs on one instance), but it moves the
+clock on by t_b / m only: the work spread over the m instances (exact for m = 1, a fluid
+approximation of list scheduling for m > 1). The plan's clock starts at now + backlog / m,
+backlog the estimated seconds of work still running on busy instances. Alg. 3 reads
+f(q / m), one instance's share of the rate (INFaaS likewise compares q / m with a
+variant's throughput). With k idle instances we hand out the first k executed batches
+of the plan, one each. ``OTASParams(share_instances=False)`` plans for one executor
+whatever m (this module before 2026-11-28). The two are compared in the simulator by
+``bench/otas_instances.py`` (section otas-instances of bench/RESULTS.md).
 
 Outcome types (Sec. V, "The execution type of a query"), recorded per request in
 ``outcomes``:
@@ -189,6 +202,9 @@ class OTASParams:
     rate_window: float = 1.0  # s, arrival-rate window
     headroom: float = 0.8  # f(q): a gamma may run at most at this utilisation
     max_labels: int = 128  # DP frontier cap per batch (exact below it)
+    # Plan for the instances served (m >= 1: the m-executor clock, the rate per instance; the module
+    # docstring, Several instances); False: the paper's one executor whatever m (as before 2026-11-28).
+    share_instances: bool = True
 
 
 @dataclass(frozen=True)
@@ -274,12 +290,16 @@ def solve_token_dp(
     max_labels: int = 128,
     *,
     undominated: Sequence[Sequence[tuple[int, GammaOption]]] | None = None,
+    executors: int = 1,
 ) -> DPSolution:
     """Alg. 2: the gamma of each batch (or None, l_b = 0) maximising total utility.
 
     ``deadlines[b]`` is d_b and ``options[b]`` the gamma choices of batch b, batches
     already in EDD order (Alg. 2 line 1) and executed one after another from ``start``;
-    an executed batch must finish strictly before its deadline. Among equal utility the
+    an executed batch must finish strictly before its deadline. ``executors`` (m >= 1): the
+    batches share m executors; a batch started at clock C finishes at C + t (it runs on one
+    executor) and moves the clock on by t / m (the module docstring: Several instances). m = 1
+    is the paper's one sequential executor. Among equal utility the
     earlier finishing clock wins. See the module docstring for the fixes to the paper.
     ``undominated``: ``_undominated(options[b])`` per batch (or its :class:`_DPStage`), if
     the caller keeps them.
@@ -308,11 +328,13 @@ def solve_token_dp(
         raise ValueError("max_labels must be at least 2")
     if undominated is not None and len(undominated) != len(options):
         raise ValueError("one undominated list per batch")
+    if isinstance(executors, bool) or not isinstance(executors, int) or executors < 1:
+        raise ValueError(f"executors must be an integer >= 1, got {executors!r}")
     if undominated is None:
         stages = [_DPStage(_undominated(o)) for o in options]
     else:
         stages = [u if isinstance(u, _DPStage) else _DPStage(u) for u in undominated]
-    return _solve_stages(deadlines, options, stages, start, max_labels)
+    return _solve_stages(deadlines, options, stages, start, max_labels, executors)
 
 
 _STAGE_NATIVE = attrgetter("native")
@@ -321,14 +343,14 @@ _STAGE_RECORD = attrgetter("record")
 
 
 def _solve_stages(deadlines: Sequence[float], options: Sequence[Sequence[GammaOption]], stages: list["_DPStage"],
-                  start: float, max_labels: int) -> DPSolution:
+                  start: float, max_labels: int, executors: int = 1) -> DPSolution:
     """:func:`solve_token_dp` once every batch's undominated options are a :class:`_DPStage` (and the
     arguments checked): the policy calls it directly with the stages it keeps per queued batch."""
     if (os.environ.get("JAXSERVE_NATIVE_DP", "1").strip().lower() not in _SWITCHED_OFF
             and isinstance(start, _NUMBERS) and not math.isnan(start) and isinstance(max_labels, int)
             and max_labels < 1 << 62 and all(map(_STAGE_NATIVE, stages))
             and all(map(isinstance, deadlines, repeat(_NUMBERS)))):
-        solution = _dp_native(deadlines, options, stages, start, max_labels)
+        solution = _dp_native(deadlines, options, stages, start, max_labels, executors=executors)
         if solution is not None:
             return solution
     # The frontier, in candidate order (clocks ascending, utilities ascending): its clocks and
@@ -354,19 +376,20 @@ def _solve_stages(deadlines: Sequence[float], options: Sequence[Sequence[GammaOp
             if joint is None:
                 joint = np.empty(n_labels, dtype=np.complex128)
                 joint.real, joint.imag = clocks, negs
-            joint, link, thinned = _dp_stage_complex(joint, stage, deadline, max_labels)
+            joint, link, thinned = _dp_stage_complex(joint, stage, deadline, max_labels, executors)
             n_labels = len(joint)
         elif not no_nan and candidates >= _DP_TWO_ARRAYS_FROM:
             if joint is not None:
                 clocks, negs, joint = joint.real.copy(), joint.imag.copy(), None
-            clocks, negs, link, thinned = _dp_stage_numpy(clocks, negs, stage.useful, deadline, max_labels)
+            clocks, negs, link, thinned = _dp_stage_numpy(clocks, negs, stage.useful, deadline, max_labels, executors)
             n_labels = len(clocks)
         else:
             if joint is not None:
                 clocks, negs, joint = joint.real.tolist(), joint.imag.tolist(), None
             elif isinstance(clocks, np.ndarray):
                 clocks, negs = clocks.tolist(), negs.tolist()
-            clocks, negs, link, thinned = _dp_stage_python(clocks, negs, stage.useful, deadline, max_labels)
+            clocks, negs, link, thinned = _dp_stage_python(clocks, negs, stage.useful, deadline, max_labels,
+                                                           executors)
             n_labels = len(clocks)
         truncated = truncated or thinned
         widest = max(widest, n_labels)
@@ -389,7 +412,7 @@ _NUMBERS = (float, int)  # what Python's float arithmetic reads as the double th
 
 
 def _dp_native(deadlines: Sequence[float], options: Sequence[Sequence[GammaOption]], stages: list["_DPStage"],
-               start: float, max_labels: int, *, sort_all: bool = False) -> DPSolution | None:
+               start: float, max_labels: int, *, sort_all: bool = False, executors: int = 1) -> DPSolution | None:
     """:func:`solve_token_dp` in one call of the native DP (jaxserve/kernels/otas_dp.c: every stage
     and the back-tracking), for inputs from which no NaN can arise; None where it cannot answer (no
     library: no compiler or a failed build, logged once; or a utility sum overflowed to an infinity,
@@ -406,7 +429,8 @@ def _dp_native(deadlines: Sequence[float], options: Sequence[Sequence[GammaOptio
     columns = np.empty(n, dtype=np.int32)  # per batch: 0 (not executed) or its undominated option's column
     out = np.empty(4, dtype=np.float64)  # finish, negated utility, then widest and truncated as int64
     address = out.ctypes.data
-    rc = native.solve(n, struct.pack(f"{n}d", *deadlines), b"".join(map(_STAGE_RECORD, stages)), start, max_labels,
+    rc = native.solve(n, struct.pack(f"{n}d", *deadlines), b"".join(map(_STAGE_RECORD, stages)), start,
+                      float(executors), max_labels,
                       int(sort_all), columns.ctypes.data, address, address + 16, address + 24)
     if rc:
         if rc == 2:
@@ -435,7 +459,7 @@ class _DPStage:
     take the stage. ``record``: the options as it reads them, float64 bytes: their count, then
     (seconds, utility) per option."""
 
-    __slots__ = ("useful", "width", "columns", "delta", "plain", "native", "record")
+    __slots__ = ("useful", "width", "columns", "delta", "plain", "native", "record", "_shared")
 
     def __init__(self, useful: Iterable[tuple[int, GammaOption]]) -> None:
         self.useful: tuple[tuple[int, GammaOption], ...] = tuple(useful)
@@ -448,6 +472,17 @@ class _DPStage:
                                          for _, o in self.useful)
         self.record = np.array([len(self.useful)] + [x for _, o in self.useful for x in (o.seconds, o.utility)],
                                dtype=np.float64).tobytes()
+        self._shared: tuple[int, np.ndarray] | None = None
+
+    def shared(self, executors: int) -> np.ndarray:
+        """``delta`` with each clock step divided by ``executors`` (-0.0 / m == -0.0: skip still
+        leaves a label as it is), kept for the last ``executors`` asked."""
+        if self._shared is None or self._shared[0] != executors:
+            delta = np.empty_like(self.delta)
+            delta.real = self.delta.real / executors
+            delta.imag = self.delta.imag
+            self._shared = (executors, delta)
+        return self._shared[1]
 
     def __len__(self) -> int:
         return len(self.useful)
@@ -511,17 +546,19 @@ def _dp_parent(link: tuple, index: int) -> tuple[int, int]:
 
 
 def _dp_stage_python(clocks: list[float], negs: list[float], useful: Sequence[tuple[int, GammaOption]],
-                     deadline: float, max_labels: int) -> tuple:
-    """One DP stage over plain lists: (clocks, negated utilities, link, thinned)."""
+                     deadline: float, max_labels: int, executors: int = 1) -> tuple:
+    """One DP stage over plain lists: (clocks, negated utilities, link, thinned). A label that runs
+    an option must finish (clock + seconds) before the deadline and moves on by seconds / executors."""
     n_labels = len(clocks)
     candidates = list(zip(clocks, negs, range(n_labels), [-1] * n_labels))
     for k, o in useful:
         seconds, gain = o.seconds, o.utility
+        step = seconds / executors  # x / 1 == x: one executor advances by the whole time
         for p in range(n_labels):
-            finish = clocks[p] + seconds
-            if not finish < deadline:  # clocks ascend, so do the finishes: no later label fits
+            clock = clocks[p]
+            if not clock + seconds < deadline:  # clocks ascend, so do the finishes: no later label fits
                 break
-            candidates.append((finish, negs[p] - gain, p, k))
+            candidates.append((clock + step, negs[p] - gain, p, k))
     candidates.sort()  # (clock, -utility, parent, option): ties in the order they were made
     fc: list[float] = []
     fn: list[float] = []
@@ -544,7 +581,7 @@ def _dp_stage_python(clocks: list[float], negs: list[float], useful: Sequence[tu
 
 
 def _dp_stage_numpy(clocks, negs, useful: Sequence[tuple[int, GammaOption]], deadline: float,
-                    max_labels: int) -> tuple:
+                    max_labels: int, executors: int = 1) -> tuple:
     """:func:`_dp_stage_python` vectorised: the same labels."""
     c = np.asarray(clocks, dtype=np.float64)
     n = np.asarray(negs, dtype=np.float64)
@@ -557,6 +594,9 @@ def _dp_stage_numpy(clocks, negs, useful: Sequence[tuple[int, GammaOption]], dea
     nn[:, 0] = n
     fits = cc < deadline
     fits[:, 0] = True
+    if executors != 1:  # the fit test used the whole time; the clock moves on by its share
+        cc = np.add.outer(c, seconds / executors)
+        cc[:, 0] = c
     flat = np.flatnonzero(fits)
     cc = cc.ravel()[flat]
     nn = nn.ravel()[flat]
@@ -581,7 +621,8 @@ def _dp_stage_numpy(clocks, negs, useful: Sequence[tuple[int, GammaOption]], dea
     return cc[chosen], nn[chosen], ("np", flat[chosen], width, [-1] + [k for k, _ in useful]), thinned
 
 
-def _dp_stage_complex(joint: np.ndarray, stage: _DPStage, deadline: float, max_labels: int) -> tuple:
+def _dp_stage_complex(joint: np.ndarray, stage: _DPStage, deadline: float, max_labels: int,
+                      executors: int = 1) -> tuple:
     """:func:`_dp_stage_numpy` on the frontier as one complex array ``clock + 1j * -utility``
     (no NaN in it or in ``stage``): (frontier, link, thinned), the same labels with fewer numpy
     calls. One complex addition makes every candidate's clock and negated utility (the real and
@@ -591,6 +632,8 @@ def _dp_stage_complex(joint: np.ndarray, stage: _DPStage, deadline: float, max_l
     cand = joint[:, None] + stage.delta  # flat index = parent * width + column: the order candidates are made in
     fits = cand.real < deadline
     fits[:, 0] = True  # skip: always possible
+    if executors != 1:  # the fit test used the whole time; the clock moves on by its share
+        cand = joint[:, None] + stage.shared(executors)
     flat = fits.ravel().nonzero()[0]
     cand = cand.ravel()[flat]
     order = cand.argsort(kind="stable")
@@ -684,12 +727,14 @@ def manual_allocate(
     start: float,
     load_gamma: int,
     kappa: float,
+    executors: int = 1,
 ) -> tuple[int, ...]:
     """Alg. 3 for batches in EDD order: a gamma for every batch (none is skipped).
 
     ``load_gamma`` is f(q); ``options[b]`` must contain it. See the module docstring for
     the two places where we refine the paper (fastest gamma for min(L); the most accurate
-    gamma that meets d_b for max(L)).
+    gamma that meets d_b for max(L)). A batch started at the running clock T must finish
+    (T + t) before d_b and moves T on by t / ``executors`` (as in :func:`solve_token_dp`).
     """
     clock = start
     chosen: list[int] = []
@@ -704,7 +749,7 @@ def manual_allocate(
             meeting = [o for o in opts if clock + o.seconds < deadline]
             pick = max(meeting, key=lambda o: (o.utility, -o.seconds, o.gamma))
         chosen.append(pick.gamma)
-        clock += pick.seconds
+        clock += pick.seconds / executors
     return tuple(chosen)
 
 
@@ -1147,6 +1192,8 @@ class SelectiveBatchingPolicy(Policy):
         self.counters: Counter[str] = Counter()
         self.expected_utility = 0.0
         self.record_limit: Optional[int] = None  # bound on outcomes/request_gamma/decisions (None: keep all)
+        self.executors = 1  # instances served at the last plan that scheduled (_share)
+        self.backlog = 0.0  # seconds of work then running on the busy ones (_share)
 
     # ------------------------------------------------------------------ Policy hooks
 
@@ -1203,6 +1250,7 @@ class SelectiveBatchingPolicy(Policy):
         batches: list[Batch] = []
         if idle and self._queue and now >= self._blocked_until():
             ordered = self._queue.edd()
+            self._share(now, idle)
             schedule = self._schedule(now, ordered, len(idle))
             for (qb, gamma, source), instance in zip(schedule, idle):
                 batches.append(self._dispatch(qb, gamma, source, instance, now))
@@ -1210,6 +1258,23 @@ class SelectiveBatchingPolicy(Policy):
 
     def queue_depth(self) -> int:
         return self._queue.depth
+
+    def _share(self, now: float, idle: Sequence[int]) -> None:
+        """Set ``executors`` (m: the instances this policy serves now, busy or idle) and ``backlog``
+        (the estimated seconds of work still running on the busy ones; an estimate already past
+        counts 0) for :meth:`_schedule`. An instance both idle and still in the busy estimates (its
+        completion not yet reported) is idle."""
+        busy = self._busy_until
+        if not busy:
+            self.executors, self.backlog = len(idle), 0.0
+            return
+        both = [i for i in idle if i in busy]
+        self.executors = len(busy) + len(idle) - len(both)
+        backlog = sum(f - now for f in busy.values() if f > now)
+        for i in both:
+            if busy[i] > now:
+                backlog -= busy[i] - now
+        self.backlog = max(backlog, 0.0)
 
     def withdraw(self, request_id: int, now: float) -> bool:
         """Take a queued request out of its batch (its client went away); a batch left
@@ -1426,14 +1491,16 @@ class OTASPolicy(SelectiveBatchingPolicy):
 
     def _schedule(self, clock, ordered, slots):
         pricer = self._pricer
+        m = self.executors if self.params.share_instances else 1
+        start = clock + self.backlog / m if m > 1 else clock  # the m executors' clock: module docstring
         in_initial = self.start_time is not None and clock - self.start_time < self.params.initial_stage
         if len(ordered) <= self.params.beta or in_initial:
-            load_gamma = self.load_map(self.arrival_rate(clock))
+            load_gamma = self.load_map(self.arrival_rate(clock) / m)  # f reads one instance's rate
             head = ordered[:slots]  # Alg. 3 decides each batch from the ones before it: the rest cannot run now
             options = [qb.options(pricer) for qb in head]
             deadlines = [qb.deadline for qb in head]
             means = [sum(r.utility for r in qb.requests) / len(qb.requests) for qb in head]
-            chosen = manual_allocate(deadlines, means, options, clock, load_gamma, self.params.kappa)
+            chosen = manual_allocate(deadlines, means, options, start, load_gamma, self.params.kappa, m)
             self.counters["alg3_runs"] += 1
             return [(qb, g, "load") for qb, g in zip(head, chosen)]
         # solve_token_dp(deadlines, options, clock, max_labels, undominated=stages), less its argument checks
@@ -1449,7 +1516,7 @@ class OTASPolicy(SelectiveBatchingPolicy):
         stages: list[_DPStage] = list(map(_THIRD, dps))
         if self.params.max_labels < 2:
             raise ValueError("max_labels must be at least 2")
-        solution = _solve_stages([qb._deadline for qb in ordered], options, stages, clock, self.params.max_labels)
+        solution = _solve_stages([qb._deadline for qb in ordered], options, stages, start, self.params.max_labels, m)
         self.last_solution = solution
         self.counters["dp_runs"] += 1
         self.counters["dp_truncated"] += int(solution.truncated)
@@ -1625,7 +1692,7 @@ class INFaaSPolicy(SelectiveBatchingPolicy):
     def _schedule(self, clock, ordered, slots):
         if clock - self._last_decision >= self.decision_interval:
             self._last_decision = clock
-            rate = self.arrival_rate(clock)
+            rate = self.arrival_rate(clock) / self.executors  # each of the m instances runs the variant
             target = self.select_variant(rate)
             current = self.current_variant
             if target == current:
@@ -1675,8 +1742,7 @@ OTAS_POLICY_NAMES = ("otas", "pets", "tome", "vpt")
 def make_otas_policy(name: str, runtimes: Mapping, cost: CostModel, options: Optional[Mapping] = None):
     """The policy ``jaxserve serve --policy NAME`` runs for its one image model.
 
-    OTAS plans one request stream on one sequential executor (Sec. III-A), so exactly one
-    model must be served. Latency comes from the cost model; accuracy from the cost model if
+    OTAS plans one request stream (Sec. III-A), so exactly one model must be served. Latency comes from the cost model; accuracy from the cost model if
     it has it, else from the runtime's profiled ``accuracy`` (the prompt repository's
     accuracy.json); it must cover every served task (the runtime's heads and the profiled
     tasks) at every gamma the policy may pick (all the grid's for ``otas``), else ValueError.

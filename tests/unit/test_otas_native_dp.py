@@ -101,21 +101,23 @@ def test_native_equals_the_python_stages_and_the_plain_transcription_to_the_bit(
     with utilities that are not negative, so does the plain transcription of Alg. 2."""
     used = count_calls(monkeypatch, otas_module, {"_dp_native": "native"})
     rng = random.Random(2024)
-    trials = truncated = 0
+    trials = truncated = shared = 0
     for trial in range(2100):
         kind = KINDS[trial % len(KINDS)]
         deadlines, options, start = _random_dp(rng, kind)
+        executors = rng.choice([1, 1, 2, 3, 7, 100])  # m > 1: a label's clock moves on by seconds / m
         for max_labels in rng.sample([2, 3, 7, 64, 128], 2):
-            got = solve_token_dp(deadlines, options, start, max_labels)
-            _same(got, _old_path(monkeypatch, deadlines, options, start, max_labels))
+            got = solve_token_dp(deadlines, options, start, max_labels, executors=executors)
+            _same(got, _old_path(monkeypatch, deadlines, options, start, max_labels, executors=executors))
             stages = [_DPStage(_undominated(o)) for o in options]
-            _same(_dp_native(deadlines, options, stages, start, max_labels, sort_all=True), got)
+            _same(_dp_native(deadlines, options, stages, start, max_labels, sort_all=True, executors=executors), got)
             if kind != "signed":
-                _same(got, _reference_token_dp(deadlines, options, start, max_labels))
+                _same(got, _reference_token_dp(deadlines, options, start, max_labels, executors))
             trials += 1
             truncated += got.truncated
+            shared += executors > 1 and got.truncated
     assert used["native"] == trials  # every one went native (none of these overflows)
-    assert truncated > 500
+    assert truncated > 500 and shared > 150
 
 
 def test_native_takes_the_policy_s_stages_and_the_old_path_when_switched_off(native, monkeypatch):

@@ -107,6 +107,54 @@ def test_dp_equals_brute_force_on_random_instances():
     assert ties > 50  # the generator really produced tie situations
 
 
+def shared_brute_force(deadlines, options, start, executors):
+    """Max utility over all assignments when the batches share ``executors`` executors: a batch
+    started at clock c must finish, c + t, before its deadline and moves the clock to c + t / m."""
+    best = None
+    for choice in itertools.product(*[[None, *range(len(o))] for o in options]):
+        clock, utility, ok = start, 0.0, True
+        for d, opts, k in zip(deadlines, options, choice):
+            if k is None:
+                continue
+            if not clock + opts[k].seconds < d:
+                ok = False
+                break
+            clock += opts[k].seconds / executors
+            utility += opts[k].utility
+        if ok and (best is None or utility > best[0] or (utility == best[0] and clock < best[1])):
+            best = (utility, clock)
+    return best
+
+
+def test_dp_on_shared_executors_by_hand_and_by_brute_force():
+    """Three batches, each at gamma 8 (0.2 s, utility 0.98) or -10 (0.05 s, 0.80), all due 0.3 s
+    after the start. One executor: a gamma-8 batch leaves room for one more batch at most
+    (0.2 + 0.05 + 0.05 = 0.3 is not < 0.3), so all three at -10 (2.4) is the best. Three
+    executors sharing the clock: batch 1 at 8 moves it to 0.0667, batch 2 at 8 finishes at
+    0.2667 and moves it to 0.1333, batch 3 at 8 would finish at 0.3333: two at 8 and one at -10
+    (2.76). Then random queues: the DP equals brute force over every assignment in that model."""
+    opts = [GammaOption(8, 0.2, 0.98), GammaOption(-10, 0.05, 0.80)]
+    one = solve_token_dp([0.3] * 3, [opts] * 3, 0.0)
+    assert one.gammas == (-10, -10, -10) and one.utility == pytest.approx(2.4)
+    three = solve_token_dp([0.3] * 3, [opts] * 3, 0.0, executors=3)
+    assert sorted(three.gammas) == [-10, 8, 8] and three.utility == pytest.approx(2.76)
+    assert three.finish == pytest.approx(0.15)
+    with pytest.raises(ValueError, match="executors must be an integer >= 1"):
+        solve_token_dp([0.3], [opts], 0.0, executors=0)
+    rng = random.Random(8)
+    for _ in range(300):
+        n, g, m = rng.randint(1, 5), rng.randint(1, 4), rng.choice([2, 3, 4])
+        start = rng.choice([0.0, 1.0])
+        # eighths and quarters, so that shares of m in {2, 4} are exact: ties are real there
+        options = [[GammaOption(gamma, rng.randint(1, 8) / 8, rng.randint(0, 8) / 4) for gamma in range(g)]
+                   for _ in range(n)]
+        deadlines = sorted(start + rng.randint(1, 2 * n) / 4 for _ in range(n))
+        sol = solve_token_dp(deadlines, options, start, executors=m)
+        utility, clock = shared_brute_force(deadlines, options, start, m)
+        assert not sol.truncated
+        assert sol.utility == pytest.approx(utility, abs=1e-12) and sol.finish == pytest.approx(clock, abs=1e-12)
+
+
 def test_dp_tie_prefers_earlier_clock():
     # One batch: two gammas with the same utility -> the faster one.
     opts = [[GammaOption(2, 0.4, 1.0), GammaOption(-5, 0.1, 1.0)]]
@@ -223,6 +271,40 @@ def test_manual_allocate_branches():
     # the most accurate gamma that fits (2: 0.125 s), not max(L) (8: 0.2 s).
     assert manual_allocate([5.0], [0.1], [opts()], 0.0, load_gamma=-5, kappa=0.8) == (-5,)
     assert manual_allocate([0.15], [1.0], [opts()], 0.0, load_gamma=0, kappa=0.8) == (2,)
+
+
+def test_alg3_reads_one_instance_s_share_of_the_rate():
+    """199 req/s over four instances is 49.75 req/s each, which gamma 8 sustains (64 req/s at
+    headroom 0.8, test_load_map_from_profile_picks_expected_gammas): the first four batches of
+    Alg. 3 run at 8. Planned for one executor (share_instances=False), 199 req/s is beyond what
+    any gamma but -10 sustains (256), so they run at -10."""
+    for share, want in ((True, 8), (False, -10)):
+        p = otas(params=OTASParams(initial_stage=1e9, share_instances=share))
+        for i in range(200):
+            p.on_arrival(req(i, i / 200, utility=0.1), i / 200)
+        plan = p.plan(1.0, [0, 1, 2, 3])
+        assert len(plan.batches) == 4 and p.counters["alg3_runs"] == 1
+        assert [b.cell.gamma for b in plan.batches] == [want] * 4, share
+        assert p.executors == 4 and p.backlog == 0.0
+
+
+def test_a_plan_counts_busy_and_idle_instances_and_the_work_still_running():
+    """``executors`` counts each instance once, busy or idle, an idle one whose completion was not
+    reported included; ``backlog`` is the work estimated still to run on the busy ones only (an
+    estimate already past counts 0)."""
+    p = otas(params=OTASParams(initial_stage=1e9))
+    for i in range(80):  # ten batches of eight: some stay queued, so that each plan below plans
+        p.on_arrival(req(i, 0.0, utility=0.1), 0.0)
+    first = p.plan(0.0, [0, 1, 2])
+    assert len(first.batches) == 3
+    ends = {b.instance: p._pricer.seconds(len(b.request_ids), b.cell.gamma) for b in first.batches}
+    now = min(ends.values()) / 2
+    p.plan(now, [1, 3])  # 1's completion not reported: idle all the same; 3 is new
+    assert p.executors == 4
+    assert p.backlog == pytest.approx(ends[0] - now + ends[2] - now)
+    later = max(ends.values()) + 1.0  # every estimate past (none reported): nothing left to run
+    p.plan(later, [5])
+    assert p.executors == 5 and p.backlog == 0.0  # 0 to 3 busy as far as it knows, and 5
 
 
 # --------------------------------------------------------------------------- Alg. 1
@@ -806,7 +888,7 @@ def test_dp_decisions_from_cached_batch_inputs_equal_a_fresh_solve():
     requests, through joins, evictions, withdrawals and a reprice (a new pricer)."""
     from jaxserve.sched.base import CostModel
 
-    checked = []
+    checked, shared = [], []
 
     class Checked(OTASPolicy):
         def _schedule(self, clock, ordered, slots):
@@ -814,11 +896,14 @@ def test_dp_decisions_from_cached_batch_inputs_equal_a_fresh_solve():
             out = super()._schedule(clock, ordered, slots)
             if self.counters["dp_runs"] > runs:
                 pricer = self._pricer
+                m = self.executors  # the two instances' shared clock (module docstring: Several instances)
+                start = clock + self.backlog / m if m > 1 else clock
                 fresh = solve_token_dp([qb.deadline for qb in ordered],
-                                       [pricer.options(list(qb.requests)) for qb in ordered], clock,
-                                       self.params.max_labels)
+                                       [pricer.options(list(qb.requests)) for qb in ordered], start,
+                                       self.params.max_labels, executors=m)
                 assert fresh == self.last_solution
                 checked.append(len(ordered))
+                shared.append(m == 2 and self.backlog > 0)
             return out
 
     p = Checked("vit", LAT, ACCP, GRID, params=OTASParams(initial_stage=0.1, beta=1))
@@ -835,7 +920,7 @@ def test_dp_decisions_from_cached_batch_inputs_equal_a_fresh_solve():
         idle = [i for i in range(2) if i not in busy]
         for b in p.plan(now, idle).batches:
             busy[b.instance] = (now + p._pricer.seconds(len(b.request_ids), b.cell.gamma), b)
-    assert len(checked) > 50 and max(checked) > 3
+    assert len(checked) > 50 and max(checked) > 3 and sum(shared) > 10
 
 
 def _brute_evictions(policy, free_at):
@@ -935,8 +1020,10 @@ def test_pricer_utility_sums_equal_a_plain_sum_per_gamma_to_the_bit():
         pricer.utilities([rs[0], req(99, 0.0, task="dogs")])
 
 
-def _reference_token_dp(deadlines, options, start, max_labels=128):
-    """Alg. 2 as first written (one plain loop over label tuples): what solve_token_dp must equal."""
+def _reference_token_dp(deadlines, options, start, max_labels=128, executors=1):
+    """Alg. 2 as first written (one plain loop over label tuples): what solve_token_dp must equal.
+    ``executors``: an executed batch must finish (clock + seconds) before its deadline, and the
+    clock moves on by seconds / executors."""
     from jaxserve.sched.otas import DPSolution, _same_utility, _undominated
 
     stages = [[(0.0, start, -1, -1)]]
@@ -947,9 +1034,8 @@ def _reference_token_dp(deadlines, options, start, max_labels=128):
         for parent, (u, c, _, _) in enumerate(stages[-1]):
             candidates.append((u, c, parent, -1))
             for k, o in useful:
-                finish = c + o.seconds
-                if finish < deadline:
-                    candidates.append((u + o.utility, finish, parent, k))
+                if c + o.seconds < deadline:
+                    candidates.append((u + o.utility, c + o.seconds / executors, parent, k))
         candidates.sort(key=lambda lab: (lab[1], -lab[0]))
         frontier = []
         for lab in candidates:
@@ -976,8 +1062,8 @@ def count_calls(monkeypatch, module, keys: dict) -> dict:
     used = {key: 0 for key in keys.values()}
     for name, key in keys.items():
         real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _real=real, _key=key: used.__setitem__(_key, used[_key] + 1)
-                            or _real(*a))
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _key=key, **k: used.__setitem__(_key, used[_key] + 1)
+                            or _real(*a, **k))
     return used
 
 
