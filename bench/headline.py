@@ -607,6 +607,19 @@ def _otas_tome_goal(t):
     return "≥ 2× — " + ("met" if num(t.row("vs gamma 0", mode="replace", gamma="-20")["vs gamma 0"]) >= 2 else "not met")
 
 
+def _otas_instances(o):
+    rows = [r for r in o.table("plan for") if int(num(r["instances"])) > 1]
+    pairs = {}
+    for r in rows:
+        pairs.setdefault((r["instances"], r["load"]), {})["one" if r["plan for"] == "one executor" else "all"] = r
+    met = [(num(p["all"]["SLO attainment"]), num(p["one"]["SLO attainment"])) for p in pairs.values()]
+    gain = [num(p["all"]["utility (share of max)"]) / num(p["one"]["utility (share of max)"]) - 1 for p in pairs.values()]
+    counts = sorted({int(num(k[0])) for k in pairs})
+    return (f"{' / '.join(map(str, counts))} instances at {len(pairs) // len(counts)} loads: deadlines met "
+            f"{min(a for a, _ in met):.1%}–{max(a for a, _ in met):.1%} against {min(b for _, b in met):.1%}–"
+            f"{max(b for _, b in met):.1%}; utility {pct(100 * min(gain))} to {pct(100 * max(gain))}")
+
+
 def _otas_utility(u):
     r = {x["metric"]: x["ours"] for x in u.table("paper")}
     p = {x["metric"]: x["paper"] for x in u.table("paper")}
@@ -682,6 +695,8 @@ ROWS: list[Row] = [
     Row("the same live on this machine: 2 instances, real tweets, MMPP 30% / 60%, Arlo vs default batching and DT "
         "(×1.22)", ("arlo_short_live",), _arlo_short_live, "reported"),
     Row("OTAS ToMe, ViT-B/16 batch 8: gamma −20 vs gamma 0", ("otas-throughput-vit-b16",), _otas_tome, _otas_tome_goal),
+    Row("OTAS planning for the instances it serves vs for one executor, simulated (demo ViT profile, 0.7 / 1.0 / "
+        "1.3 of the fleet's capacity)", ("otas-instances",), _otas_instances, "reported"),
     Row("OTAS utility vs PetS / INFaaS-like, simulated (synthetic trace); success rate", ("otas-utility-sim",),
         _otas_utility, "reported"),
     Row("OTAS live on DINOv2 ViT-S/14, compute-bound (2 cores, paper's load ratio and SLOs)",
