@@ -699,7 +699,7 @@ ROWS: list[Row] = [
         "1.3 of the fleet's capacity)", ("otas-instances",), _otas_instances, "reported"),
     Row("OTAS utility vs PetS / INFaaS-like, simulated (synthetic trace); success rate", ("otas-utility-sim",),
         _otas_utility, "reported"),
-    Row("OTAS live on DINOv2 ViT-S/14, compute-bound (2 cores, paper's load ratio and SLOs)",
+    Row("OTAS live on DINOv2 ViT-S/14, compute-bound (2 cores, the paper's rates × 0.024 and its SLOs)",
         ("otas-utility-live-dinov2-s14",), _otas_dinov2_live, _otas_dinov2_live_goal),
     Row("OTAS on DINOv2 ViT-S/14 vs PetS / INFaaS-like (DINOv2 truncated to fewer blocks), simulated at the paper's "
         "rates (synthetic trace); success rate", ("otas-utility-sim-dinov2-s14",), _otas_utility, "reported"),
