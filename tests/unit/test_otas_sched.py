@@ -57,18 +57,20 @@ def req(i, t, deadline=math.inf, utility=1.0, task="c10"):
 # --------------------------------------------------------------------------- Alg. 2
 
 
-def brute_force(deadlines, options, start):
-    """Max utility over all assignments (None = skip), ties -> earlier finish."""
+def brute_force(deadlines, options, start, executors=1):
+    """Max utility over all assignments (None = skip), ties -> earlier finish. ``executors`` m: the
+    batches share m executors, so a batch started at clock c must finish, c + t, before its
+    deadline and moves the clock to c + t / m (m = 1: one batch after another)."""
     best = None
     for choice in itertools.product(*[[None, *range(len(o))] for o in options]):
         clock, utility, ok = start, 0.0, True
         for d, opts, k in zip(deadlines, options, choice):
             if k is None:
                 continue
-            clock += opts[k].seconds
-            if not clock < d:
+            if not clock + opts[k].seconds < d:
                 ok = False
                 break
+            clock += opts[k].seconds / executors
             utility += opts[k].utility
         if ok and (best is None or utility > best[0] or (utility == best[0] and clock < best[1])):
             best = (utility, clock)
@@ -107,25 +109,6 @@ def test_dp_equals_brute_force_on_random_instances():
     assert ties > 50  # the generator really produced tie situations
 
 
-def shared_brute_force(deadlines, options, start, executors):
-    """Max utility over all assignments when the batches share ``executors`` executors: a batch
-    started at clock c must finish, c + t, before its deadline and moves the clock to c + t / m."""
-    best = None
-    for choice in itertools.product(*[[None, *range(len(o))] for o in options]):
-        clock, utility, ok = start, 0.0, True
-        for d, opts, k in zip(deadlines, options, choice):
-            if k is None:
-                continue
-            if not clock + opts[k].seconds < d:
-                ok = False
-                break
-            clock += opts[k].seconds / executors
-            utility += opts[k].utility
-        if ok and (best is None or utility > best[0] or (utility == best[0] and clock < best[1])):
-            best = (utility, clock)
-    return best
-
-
 def test_dp_on_shared_executors_by_hand_and_by_brute_force():
     """Three batches, each at gamma 8 (0.2 s, utility 0.98) or -10 (0.05 s, 0.80), all due 0.3 s
     after the start. One executor: a gamma-8 batch leaves room for one more batch at most
@@ -150,7 +133,7 @@ def test_dp_on_shared_executors_by_hand_and_by_brute_force():
                    for _ in range(n)]
         deadlines = sorted(start + rng.randint(1, 2 * n) / 4 for _ in range(n))
         sol = solve_token_dp(deadlines, options, start, executors=m)
-        utility, clock = shared_brute_force(deadlines, options, start, m)
+        utility, clock = brute_force(deadlines, options, start, m)
         assert not sol.truncated
         assert sol.utility == pytest.approx(utility, abs=1e-12) and sol.finish == pytest.approx(clock, abs=1e-12)
 
