@@ -5,11 +5,11 @@
  * negated utility. Per stage the candidates are every label of the previous frontier unchanged ("skip",
  * column 0) and, per undominated option j (column j >= 1), label + (seconds_j / executors, -utility_j)
  * where clock + seconds_j < deadline (executors = 1: the paper's one sequential executor; m > 1: the
- * clock of m executors sharing the work, see jaxserve.sched.otas); they are visited in (clock, neg, parent, column) order, and a candidate
- * is kept iff neg < last kept neg and, unless it is the first, last - neg > 1e-9 * max(1, |neg|, |last|);
+ * clock of m executors sharing the work, see jaxserve.sched.otas); they are visited in (clock, neg,
+ * parent, column) order, and a candidate is kept iff neg < last kept neg and, unless it is the first, last - neg > 1e-9 * max(1, |neg|, |last|);
  * a frontier above max_labels keeps positions round(i * (K - 1) / (max_labels - 1)) (half to even).
- * Only IEEE double additions, subtractions, one multiplication, one division per option and comparisons, in the order Python
- * evaluates them: it must be compiled without fast-math and without FMA contraction.
+ * Only IEEE double additions, subtractions, one multiplication, one division per option and
+ * comparisons, in the order Python evaluates them: it must be compiled without fast-math and without FMA contraction.
  *
  * How, without sorting: a frontier has strictly increasing clocks and strictly decreasing negs, so each
  * column is ordered by clock (non-decreasing) with negs non-increasing. A candidate whose neg is not
@@ -258,9 +258,10 @@ static int64_t stage_merged(const stage_t *st, cand_t *restrict out, cand_t *res
 
 /* Alg. 2 over n_stages batches. records: per stage, its option count m (as a double), then m pairs
  * (seconds, utility) of its undominated options in column order. executors: what a label's clock
- * advances by is seconds / executors (x / 1.0 == x: one executor is the plain DP). Out: columns[b] (0: not executed,
- * j: the j-th undominated option), result = (clock, neg) of the best final label, widest (labels of the
- * widest frontier, at least 1), truncated (a frontier was thinned). general: always sort (tests).
+ * advances by is seconds / executors (x / 1.0 == x: one executor is the plain DP). Out: columns[b]
+ * (0: not executed, j: the j-th undominated option), result = (clock, neg) of the best final label,
+ * widest (labels of the widest frontier, at least 1), truncated (a frontier was thinned). general:
+ * always sort (tests).
  * Returns OTAS_DP_OK, OTAS_DP_NONFINITE (nothing meaningful written) or OTAS_DP_NOMEM. */
 int64_t jaxserve_otas_dp(int64_t n_stages, const double *deadlines, const double *records, double start,
                          double executors, int64_t max_labels, int64_t general, int32_t *columns, double *result,

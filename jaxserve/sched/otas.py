@@ -107,8 +107,8 @@ backlog the estimated seconds of work still running on busy instances. Alg. 3 re
 f(q / m), one instance's share of the rate (INFaaS likewise compares q / m with a
 variant's throughput). With k idle instances we hand out the first k executed batches
 of the plan, one each. ``OTASParams(share_instances=False)`` plans for one executor
-whatever m (this module before 2026-11-28). The two are compared in the simulator by
-``bench/otas_instances.py`` (section otas-instances of bench/RESULTS.md).
+whatever m. The two are compared in the simulator by ``bench/otas_instances.py``
+(section otas-instances of bench/RESULTS.md).
 
 Outcome types (Sec. V, "The execution type of a query"), recorded per request in
 ``outcomes``:
@@ -203,7 +203,7 @@ class OTASParams:
     headroom: float = 0.8  # f(q): a gamma may run at most at this utilisation
     max_labels: int = 128  # DP frontier cap per batch (exact below it)
     # Plan for the instances served (m >= 1: the m-executor clock, the rate per instance; the module
-    # docstring, Several instances); False: the paper's one executor whatever m (as before 2026-11-28).
+    # docstring, Several instances); False: the paper's one sequential executor whatever m.
     share_instances: bool = True
 
 
@@ -299,8 +299,7 @@ def solve_token_dp(
     an executed batch must finish strictly before its deadline. ``executors`` (m >= 1): the
     batches share m executors; a batch started at clock C finishes at C + t (it runs on one
     executor) and moves the clock on by t / m (the module docstring: Several instances). m = 1
-    is the paper's one sequential executor. Among equal utility the
-    earlier finishing clock wins. See the module docstring for the fixes to the paper.
+    is the paper's one sequential executor. Among equal utility the earlier finishing clock wins. See the module docstring for the fixes to the paper.
     ``undominated``: ``_undominated(options[b])`` per batch (or its :class:`_DPStage`), if
     the caller keeps them.
 
@@ -381,7 +380,8 @@ def _solve_stages(deadlines: Sequence[float], options: Sequence[Sequence[GammaOp
         elif not no_nan and candidates >= _DP_TWO_ARRAYS_FROM:
             if joint is not None:
                 clocks, negs, joint = joint.real.copy(), joint.imag.copy(), None
-            clocks, negs, link, thinned = _dp_stage_numpy(clocks, negs, stage.useful, deadline, max_labels, executors)
+            clocks, negs, link, thinned = _dp_stage_numpy(clocks, negs, stage.useful, deadline, max_labels,
+                                                          executors)
             n_labels = len(clocks)
         else:
             if joint is not None:
@@ -1516,7 +1516,8 @@ class OTASPolicy(SelectiveBatchingPolicy):
         stages: list[_DPStage] = list(map(_THIRD, dps))
         if self.params.max_labels < 2:
             raise ValueError("max_labels must be at least 2")
-        solution = _solve_stages([qb._deadline for qb in ordered], options, stages, start, self.params.max_labels, m)
+        solution = _solve_stages([qb._deadline for qb in ordered], options, stages, start, self.params.max_labels,
+                                 m)
         self.last_solution = solution
         self.counters["dp_runs"] += 1
         self.counters["dp_truncated"] += int(solution.truncated)
@@ -1585,7 +1586,8 @@ class INFaaSPolicy(SelectiveBatchingPolicy):
     """INFaaS-like model switching (Romero et al., ATC'21, as the OTAS paper uses it).
 
     Every ``decision_interval`` seconds (at a dispatch opportunity) it takes the arrival
-    rate q and its *choice*: the most accurate variant whose profiled throughput at its
+    rate q per instance (the fleet's rate / the m instances served: each runs the current
+    variant) and its *choice*: the most accurate variant whose profiled throughput at its
     largest batch, times ``headroom``, sustains q (mean accuracy over the profiled tasks;
     the fastest variant if none does). Whether it switches to the choice is the
     hysteresis rule below. Switching to variant v costs ``switch_seconds`` of v: one
@@ -1742,8 +1744,9 @@ OTAS_POLICY_NAMES = ("otas", "pets", "tome", "vpt")
 def make_otas_policy(name: str, runtimes: Mapping, cost: CostModel, options: Optional[Mapping] = None):
     """The policy ``jaxserve serve --policy NAME`` runs for its one image model.
 
-    OTAS plans one request stream (Sec. III-A), so exactly one model must be served. Latency comes from the cost model; accuracy from the cost model if
-    it has it, else from the runtime's profiled ``accuracy`` (the prompt repository's
+    OTAS plans one request stream (Sec. III-A), so exactly one model must be served. Latency
+    comes from the cost model; accuracy from the cost model if it has it, else from the
+    runtime's profiled ``accuracy`` (the prompt repository's
     accuracy.json); it must cover every served task (the runtime's heads and the profiled
     tasks) at every gamma the policy may pick (all the grid's for ``otas``), else ValueError.
     ``options``: ``batching`` / ``otas`` (dicts of :class:`BatchingParams` /

@@ -508,6 +508,17 @@ def test_infaas_switches_variant_with_load_and_pays_switch_cost():
     assert p.counters["switches"] == 1
 
 
+def test_infaas_compares_one_instance_s_share_of_the_rate_with_a_variant_s_throughput():
+    """50 req/s is beyond L's 42.7 req/s but, spread over two instances, 25 req/s each is not: with
+    two instances the policy stays on L; with one it switches to B (the test above)."""
+    p = INFaaSPolicy(variants(), switch_seconds=0.3, decision_interval=1.0, start_time=0.0)
+    for i in range(5):  # 5 req in 0.05 s -> 50 req/s
+        p.on_arrival(req(i, 0.01 * i, deadline=10.0), 0.01 * i)
+    plan = p.plan(0.05, [0, 1])
+    assert p.executors == 2 and p.current_variant == "vit-l" and p.counters["switches"] == 0
+    assert [b.model for b in plan.batches] == ["vit-l"]  # one batch of five, on the first idle instance
+
+
 def test_infaas_never_loses_a_request():
     vs = variants()
     by_name = {v.name: v.latency for v in vs}
