@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 
+from bench import sim_speed
 from bench.common import add_quick, apply_quick, table
 from jaxserve.simulator import simulate, utility_score
 
@@ -43,8 +44,6 @@ RESULT_ARRAYS = ("outcome", "batch", "cell_batch", "cell_gamma", "start", "finis
 
 
 def run_arm(setup, instances: int, trace, share: bool) -> dict:
-    from bench import sim_speed
-
     policy = sim_speed.build(setup, instances)
     policy.params = dataclasses.replace(policy.params, share_instances=share)
     t0 = time.perf_counter()
@@ -59,8 +58,6 @@ def run_arm(setup, instances: int, trace, share: bool) -> dict:
 
 
 def main() -> None:
-    from bench import sim_speed
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--instances", default="1,10,100")
     parser.add_argument("--loads", default="0.7,1.0,1.3", help="offered load, fractions of the fleet's gamma-0 capacity")
