@@ -190,26 +190,30 @@ def main():
     ap.add_argument("--key", default="polymorph", help="RESULTS.md section (e.g. polymorph_gpu)")
     add_quick(ap, models="minilm-l6", requests=32, repeats=1)
     args = apply_quick(ap.parse_args())
+    models = args.models.split(",")
     all_rows = []
-    for name in args.models.split(","):
+    header = ["model", "alternative", "tokens computed", "× real tokens", "real tokens/s", "× limit", "× ST", "mean ms", "p98 ms", "compiles",
+              "compile s"]
+    for done, name in enumerate(models, 1):
         rows, buckets, mean_len = bench_model(name, args.requests, args.batch, args.seed, args.repeats,
                                               args.lengths_file)
         all_rows += rows
-    header = ["model", "alternative", "tokens computed", "× real tokens", "real tokens/s", "× limit", "× ST", "mean ms", "p98 ms", "compiles",
-              "compile s"]
-    text = table(header, all_rows)
-    notes = (f"{args.requests} real tweets (mean {mean_len:.1f} tokens), batch {args.batch}, buckets {buckets}; "
-             f"best of {args.repeats} interleaved repeats. Latency is per batch; (c) includes its compiles. Tokens "
-             f"computed: rows x sequence length summed over the arm's batches (padding included); (d) computes exactly "
-             f"the real tokens (equal-length batches at their exact rows and length). Every arm uses the fixed "
-             f"compile-option rule (`servables.bert_options`), warmup's tuning off.")
+        text = table(header, all_rows)
+        notes = (f"{args.requests} real tweets (mean {mean_len:.1f} tokens), batch {args.batch}, buckets {buckets}; "
+                 f"best of {args.repeats} interleaved repeats. Latency is per batch; (c) includes its compiles. Tokens "
+                 f"computed: rows x sequence length summed over the arm's batches (padding included); (d) computes "
+                 f"exactly the real tokens (equal-length batches at their exact rows and length). Every arm uses the "
+                 f"fixed compile-option rule (`servables.bert_options`), warmup's tuning off.")
+        if done < len(models):  # recorded after every model, so a run cut short (a GPU host's time limit) keeps these
+            notes += f"  \n**Partial:** {done} of {len(models)} models ({', '.join(models)}) measured (the run stopped)."
+        if args.write:
+            import jax
+
+            on = " on a GPU" if jax.devices()[0].platform == "gpu" else ""
+            record(args.key, f"Polymorph buckets vs ST, naive jit and the no-padding limit{on} ({args.key})", text,
+                   notes)
     print(text)
     print(notes)
-    if args.write:
-        import jax
-
-        on = " on a GPU" if jax.devices()[0].platform == "gpu" else ""
-        record(args.key, f"Polymorph buckets vs ST, naive jit and the no-padding limit{on} ({args.key})", text, notes)
 
 
 if __name__ == "__main__":
