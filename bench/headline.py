@@ -125,8 +125,10 @@ def _polymorph_goal(p):
 
 
 def _polymorph_gpu(p):
+    """The buckets' speed-up over ST per model; a model a partial run did not reach reads '—'."""
     b = {r["model"]: r for r in p.table("× ST") if r["alternative"].startswith("(b)")}
-    return f"{num(b['bert-base']['× ST']):.1f}× / {num(b['minilm-l6']['× ST']):.1f}× the tokens/s"
+    cell = lambda m: f"{num(b[m]['× ST']):.1f}×" if m in b else "—"  # noqa: E731
+    return f"{cell('bert-base')} / {cell('minilm-l6')} ST's tokens/s{_partial(p)}"
 
 
 def _coldstart(c):
@@ -247,12 +249,13 @@ def _peer_gpu_models(p, bert):
 
 
 def _partial(p) -> str:
-    """' (MODELS only: the run stopped)' for a section a time limit cut short, else ''."""
+    """' (N of M cells|models: the run stopped)' or ' (MODELS only: ...)' for a section a time limit cut
+    short, else ''."""
     m = re.search(r"\*\*Partial:\*\* (.+?) of (.+?) measured", p.s.text)
     if not m:
         return ""
-    cells = re.fullmatch(r"(\d+)", m.group(1)) and re.match(r"(\d+) cells", m.group(2))
-    return (f" ({m.group(1)} of {cells.group(1)} cells: the run stopped)" if cells
+    counted = re.fullmatch(r"(\d+)", m.group(1)) and re.match(r"(\d+) (cells|models)", m.group(2))
+    return (f" ({m.group(1)} of {counted.group(1)} {counted.group(2)}: the run stopped)" if counted
             else f" ({m.group(1)} only: the run stopped)")
 
 

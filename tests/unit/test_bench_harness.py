@@ -262,3 +262,24 @@ def test_headline_marks_stale_figures_and_reports_missing_ones(tmp_path):
 def test_splice_readme_refuses_a_readme_without_markers():
     with pytest.raises(ValueError, match="markers"):
         headline.splice_readme("# no table here\n", "| a |")
+
+
+def test_headline_reads_a_run_cut_short_as_partial(tmp_path):
+    """A GPU run stopped by the host's time limit keeps the models it finished: the headline
+    names the missing one '—' and says the run stopped, rather than failing or reading it as whole."""
+    text = RESULTS.read_text()
+    old = {s.key: s for s in status.parse_sections(text)}["polymorph_gpu"].text
+    whole = re.sub(r"\s*\*\*Partial:\*\*[^\n]*", "", old)
+    cut = "\n".join(ln for ln in whole.splitlines() if not ln.startswith("| minilm-l6 |"))
+    cut = cut.replace("warmup's tuning off.", "warmup's tuning off.  \n**Partial:** 1 of 2 models (bert-base, "
+                      "minilm-l6) measured (the run stopped).", 1)
+    assert "**Partial:** 1 of 2 models" in cut
+    rows = {}
+    for name, section in (("whole", whole), ("cut", cut)):
+        results = tmp_path / f"{name}.md"
+        results.write_text(text.replace(old, section))
+        table, problems = headline.build(results)
+        assert problems == []
+        rows[name] = next(ln for ln in table.splitlines() if ln.startswith("| polymorph buckets vs pad-to-512, GPU"))
+    assert re.search(r"\| [\d.]+× / — ST's tokens/s \(1 of 2 models: the run stopped\) \|", rows["cut"])
+    assert "the run stopped" not in rows["whole"]
