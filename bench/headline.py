@@ -266,8 +266,8 @@ def _first_results(p):
 def _peer_gpu_tf32(t, strict):
     m = _gpu_means(t)
     ft, fs = _first_results(t), _first_results(strict)
-    # the strict run's warmup compares only when it covered the same grid (not cut short)
-    same = not _partial(strict) and not _partial(t)
+    # the strict run's warmup compares only when it covered the same grid (not cut short) on the same machine
+    same = not _partial(strict) and not _partial(t) and strict.s.machine == t.s.machine
     return (f"geo-mean {m.group(1)}× / {m.group(2)}× / {m.group(3)}×{_partial(t)}; ≥ 1.3× eager in "
             f"{m.group(4)}/{m.group(5)}, ≥ 1.0× torch.compile in {m.group(6)}/{m.group(7)}; grid warmup ours "
             f"{float(ft.group(1)):.0f} s vs torch.compile {float(ft.group(2)):.0f} s"

@@ -283,3 +283,25 @@ def test_headline_reads_a_run_cut_short_as_partial(tmp_path):
         rows[name] = next(ln for ln in table.splitlines() if ln.startswith("| polymorph buckets vs pad-to-512, GPU"))
     assert re.search(r"\| [\d.]+× / — ST's tokens/s \(1 of 2 models: the run stopped\) \|", rows["cut"])
     assert "the run stopped" not in rows["whole"]
+
+
+def test_headline_compares_warmups_only_between_whole_runs_on_one_machine(tmp_path):
+    """The TF32 row quotes the strict-fp32 run's warmup beside its own only when both covered the
+    whole grid on the same machine (the brief: never mix machines in one comparison)."""
+    text = RESULTS.read_text()
+    sections = {s.key: s for s in status.parse_sections(text)}
+    tf32, strict = sections["peer_gpu_tf32"].text, sections["peer_gpu"].text
+    whole = lambda sec: re.sub(r"\s*\*\*Partial:\*\*[^\n]*", "", sec)  # noqa: E731
+    on = lambda sec, gpu: re.sub(r"NVIDIA H\d00[^;\n ]*( 80GB HBM3)?", gpu, sec)  # noqa: E731
+
+    def row(tf32_text, strict_text):
+        results = tmp_path / "RESULTS.md"
+        results.write_text(text.replace(tf32, tf32_text).replace(strict, strict_text))
+        table, problems = headline.build(results)
+        assert problems == []
+        return next(ln for ln in table.splitlines() if ln.startswith("| the same with TF32"))
+
+    assert "(strict fp32:" in row(on(whole(tf32), "NVIDIA H200"), on(whole(strict), "NVIDIA H200"))
+    assert "(strict fp32:" not in row(on(whole(tf32), "NVIDIA H200"), on(whole(strict), "NVIDIA H100 80GB HBM3"))
+    cut = on(whole(tf32), "NVIDIA H200").replace("Geometric means", "**Partial:** 3 of 16 cells (x) measured.  \nGeometric means", 1)
+    assert "(strict fp32:" not in row(cut, on(whole(strict), "NVIDIA H200"))
