@@ -51,7 +51,7 @@ serve: warmup
 # runs everything in this one process
 TEST_JOBS ?= 2
 test: install
-	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile)
+	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder)
 
 # then: python -m bench.status (what is stale), python -m bench.headline --write (README's table)
 bench: install

@@ -46,7 +46,9 @@ def rerun_on_ray(module) -> dict:
     Ray). Ray is shut down before the module and after it: a Ray an earlier module of the process
     left running has that module's CPUs and object store, and this module's servers would join it
     instead of starting one sized for their workers; so each such module, and the next one, runs
-    on a Ray of its own, as in a process of its own."""
+    on a Ray of its own, as in a process of its own. Tests ``module`` names in
+    ``SAME_ON_ANY_WORKERS`` (the transport and the gate in front of the engine, which run the same
+    code whatever the workers) are left out of the copy."""
     import pytest
     import ray
 
@@ -63,7 +65,9 @@ def rerun_on_ray(module) -> dict:
             ray.shutdown()
         assert LiveServer.started["ray"] > on_ray, "no server of this module ran on Ray"
 
-    names = {k: v for k, v in vars(module).items() if not k.startswith("__")}
+    same = set(getattr(module, "SAME_ON_ANY_WORKERS", ()))
+    assert same <= set(vars(module)), f"SAME_ON_ANY_WORKERS names no test: {sorted(same - set(vars(module)))}"
+    names = {k: v for k, v in vars(module).items() if not k.startswith("__") and k not in same}
     return {**names, "_workers_on_ray": _workers_on_ray}
 
 

@@ -24,6 +24,16 @@ TEXT_GRID = ShapeGrid(batch_sizes=(1, 4), seq_buckets=(16, 64))
 IMAGE_GRID = ShapeGrid(batch_sizes=(1, 4))
 
 
+# The module's server warms as `serve` does by default, timing each cell's compile options (tune);
+# the servers single tests start for their settings (a key, TLS, a queue limit, a reload) warm
+# with tune=False: what they test does not depend on which options won, and tuning doubles their
+# compiles (tuning itself: test_compile_options.py; served: this module's server, test_cli.py's).
+# Tests whose server's answers never depend on where its steps run: the transport and the gate
+# in front of the engine (TLS, the API key). test_server_on_ray.py leaves them out of its rerun.
+SAME_ON_ANY_WORKERS = ("test_an_api_key_guards_every_route_but_probes_metrics_and_docs",
+                       "test_https_with_the_servers_certificate")
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     settings = ServeSettings(
@@ -392,7 +402,7 @@ def test_a_client_that_leaves_gets_its_queued_items_withdrawn(tmp_path):
     it waits for a full batch): the item is withdrawn and never runs, the request counts
     as 499, and the server answers the next client as usual. A request with more inputs
     than the queue can ever hold is a 413 naming the limit, not a 429 to retry forever."""
-    settings = ServeSettings(models=("minilm-l6",), cache_dir=str(tmp_path / "cache"), max_queue=8,
+    settings = ServeSettings(models=("minilm-l6",), cache_dir=str(tmp_path / "cache"), tune=False, max_queue=8,
                              max_wait_ms=60_000, progress=False,
                              text_grid=ShapeGrid(batch_sizes=(1, 4), seq_buckets=(16,)))
     with LiveServer(settings) as srv:
@@ -583,7 +593,7 @@ def test_an_api_key_guards_every_route_but_probes_metrics_and_docs(tmp_path):
     import openai
 
     key = "s3cret-key-for-tests"
-    settings = ServeSettings(models=("minilm-l6",), cache_dir=str(tmp_path / "cache"), progress=False,
+    settings = ServeSettings(models=("minilm-l6",), cache_dir=str(tmp_path / "cache"), tune=False, progress=False,
                              max_body_bytes=4096, api_key=key,
                              text_grid=ShapeGrid(batch_sizes=(1,), seq_buckets=(16,)))
     assert key not in repr(settings)  # settings may be logged; the key must not be
@@ -615,7 +625,7 @@ def test_https_with_the_servers_certificate(tmp_path):
     """With a certificate and key the server speaks only HTTPS: a client that trusts the
     certificate gets the usual answers (the slow-client deadline still applies under TLS),
     a plain-HTTP request gets no answer, and a client that does not trust it refuses."""
-    settings = ServeSettings(models=("minilm-l6",), cache_dir=str(tmp_path / "cache"), progress=False,
+    settings = ServeSettings(models=("minilm-l6",), cache_dir=str(tmp_path / "cache"), tune=False, progress=False,
                              header_timeout_s=4.0, text_grid=ShapeGrid(batch_sizes=(1,), seq_buckets=(16,)),
                              ssl_certfile=str(FIXTURES / "tls-test-cert.pem"),
                              ssl_keyfile=str(FIXTURES / "tls-test-key.pem"))
@@ -674,8 +684,8 @@ def test_reload_serves_retrained_heads_and_prompts_without_compiling(tmp_path):
     heads.mkdir()
     shutil.copy(ASSETS / "heads" / "minilm-l6" / "sentiment.npz", heads / "sentiment.npz")
     shutil.copytree(vit_demo_prompts_dir(), prompts)
-    settings = ServeSettings(models=("minilm-l6", "vit-demo"), cache_dir=str(tmp_path / "cache"), progress=False,
-                             text_grid=ShapeGrid(batch_sizes=(1, 4), seq_buckets=(16,)),
+    settings = ServeSettings(models=("minilm-l6", "vit-demo"), cache_dir=str(tmp_path / "cache"), tune=False,
+                             progress=False, text_grid=ShapeGrid(batch_sizes=(1, 4), seq_buckets=(16,)),
                              image_grid=ShapeGrid(batch_sizes=(1, 4), gammas=(0, 2)),
                              heads_dir=str(heads), prompts_dir=str(prompts))
     image = [[0.5] * 32] * 32
@@ -763,7 +773,7 @@ def test_readiness_turns_503_when_draining_begins(tmp_path):
     routing here, and new work is refused with 503 rather than accepted and cut off."""
     import asyncio
 
-    settings = ServeSettings(models=("minilm-l6",), cache_dir=str(tmp_path / "cache"), progress=False,
+    settings = ServeSettings(models=("minilm-l6",), cache_dir=str(tmp_path / "cache"), tune=False, progress=False,
                              text_grid=ShapeGrid(batch_sizes=(1,), seq_buckets=(16,)))
     with LiveServer(settings) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
         assert c.get("/readyz").status_code == 200
