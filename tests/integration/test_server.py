@@ -24,16 +24,16 @@ TEXT_GRID = ShapeGrid(batch_sizes=(1, 4), seq_buckets=(16, 64))
 IMAGE_GRID = ShapeGrid(batch_sizes=(1, 4))
 
 
-# The module's server warms as `serve` does by default, timing each cell's compile options (tune);
-# the servers single tests start for their settings (a key, TLS, a queue limit, a reload) warm
-# with tune=False: what they test does not depend on which options won, and tuning doubles their
-# compiles (tuning itself: test_compile_options.py; served: this module's server, test_cli.py's).
 # Tests whose server's answers never depend on where its steps run: the transport and the gate
 # in front of the engine (TLS, the API key). test_server_on_ray.py leaves them out of its rerun.
 SAME_ON_ANY_WORKERS = ("test_an_api_key_guards_every_route_but_probes_metrics_and_docs",
                        "test_https_with_the_servers_certificate")
 
 
+# The module's server warms as `serve` does by default, timing each cell's compile options (tune);
+# the servers single tests start for their settings (a key, TLS, a queue limit, a reload, a drain) warm
+# with tune=False: what they test does not depend on which options won, and tuning doubles their
+# compiles (tuning itself: test_compile_options.py; served: this module's server, test_cli.py's).
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     settings = ServeSettings(
