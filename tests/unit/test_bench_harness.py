@@ -303,5 +303,6 @@ def test_headline_compares_warmups_only_between_whole_runs_on_one_machine(tmp_pa
 
     assert "(strict fp32:" in row(on(whole(tf32), "NVIDIA H200"), on(whole(strict), "NVIDIA H200"))
     assert "(strict fp32:" not in row(on(whole(tf32), "NVIDIA H200"), on(whole(strict), "NVIDIA H100 80GB HBM3"))
-    cut = on(whole(tf32), "NVIDIA H200").replace("Geometric means", "**Partial:** 3 of 16 cells (x) measured.  \nGeometric means", 1)
+    cut = on(whole(tf32), "NVIDIA H200").replace(
+        "Geometric means", "**Partial:** 3 of 16 cells (x) measured.  \nGeometric means", 1)
     assert "(strict fp32:" not in row(cut, on(whole(strict), "NVIDIA H200"))
