@@ -84,9 +84,13 @@ f(q) is the most accurate sustaining gamma (mean accuracy over the profiled task
 to the faster), or the fastest gamma if none sustains q. Per batch, in EDD order with a
 running clock T: if ``T + t_b(f(q)) >= d_b`` the batch gets the fastest gamma (the paper's
 min(L), which is the fastest when latency falls with gamma); else if the mean u_r of the
-batch exceeds kappa it gets the most accurate gamma that still meets d_b (the paper says
-max(L) unconditionally; a critical batch that then misses its deadline earns nothing,
-and f(q)'s gamma is always a candidate); else f(q). Used when ``N_B <= beta`` (Alg. 2 line
+batch exceeds kappa it gets the most accurate gamma, for its own tasks, among those that
+still meet d_b and that sustain q as f(q) reads it (f(q)'s gamma is always a candidate);
+else f(q). The paper says max(L) unconditionally. We differ twice. A critical batch that then
+misses its deadline earns nothing. And a gamma that the load map says cannot sustain q makes
+the queue behind the batch pay for its extra accuracy. Where prompts buy little accuracy for
+their time (DINOv2 ViT-S/14), the unbounded rule lost to fixed ToMe under load
+(bench/RESULTS.md, otas-utility-live-dinov2-s14). Used when ``N_B <= beta`` (Alg. 2 line
 2 says <=, the prose "less than"; we follow the pseudocode) or during the initial stage
 (the first ``initial_stage`` seconds after the first callback).
 
@@ -142,7 +146,7 @@ from itertools import repeat
 from operator import attrgetter, itemgetter
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Collection, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -701,6 +705,10 @@ class LoadToGamma:
             rows.append((g, rate, acc))
         return cls(tuple(rows))
 
+    def sustaining(self, rate: float) -> frozenset[int]:
+        """The gammas whose sustainable rate is at least ``rate`` (possibly none)."""
+        return frozenset(r[0] for r in self.rows if r[1] >= rate)
+
     def __call__(self, rate: float) -> int:
         sustaining = [r for r in self.rows if r[1] >= rate]
         if not sustaining:
@@ -728,13 +736,16 @@ def manual_allocate(
     load_gamma: int,
     kappa: float,
     executors: int = 1,
+    sustaining: Optional[Collection[int]] = None,
 ) -> tuple[int, ...]:
     """Alg. 3 for batches in EDD order: a gamma for every batch (none is skipped).
 
     ``load_gamma`` is f(q); ``options[b]`` must contain it. See the module docstring for
-    the two places where we refine the paper (fastest gamma for min(L); the most accurate
-    gamma that meets d_b for max(L)). A batch started at the running clock T must finish
-    (T + t) before d_b and moves T on by t / ``executors`` (as in :func:`solve_token_dp`).
+    the places where we refine the paper (fastest gamma for min(L); for max(L), the most
+    accurate gamma that meets d_b and is in ``sustaining``, the gammas that sustain q:
+    :meth:`LoadToGamma.sustaining`; f(q) is always allowed; None allows every gamma). A
+    batch started at the running clock T must finish (T + t) before d_b and moves T on by
+    t / ``executors`` (as in :func:`solve_token_dp`).
     """
     clock = start
     chosen: list[int] = []
@@ -746,7 +757,8 @@ def manual_allocate(
         if clock + pick.seconds >= deadline:
             pick = min(opts, key=lambda o: (o.seconds, o.gamma))
         elif mean_u > kappa:
-            meeting = [o for o in opts if clock + o.seconds < deadline]
+            meeting = [o for o in opts if clock + o.seconds < deadline
+                       and (sustaining is None or o.gamma == load_gamma or o.gamma in sustaining)]
             pick = max(meeting, key=lambda o: (o.utility, -o.seconds, o.gamma))
         chosen.append(pick.gamma)
         clock += pick.seconds / executors
@@ -1495,12 +1507,14 @@ class OTASPolicy(SelectiveBatchingPolicy):
         start = clock + self.backlog / m if m > 1 else clock  # the m executors' clock: module docstring
         in_initial = self.start_time is not None and clock - self.start_time < self.params.initial_stage
         if len(ordered) <= self.params.beta or in_initial:
-            load_gamma = self.load_map(self.arrival_rate(clock) / m)  # f reads one instance's rate
+            rate = self.arrival_rate(clock) / m  # f reads one instance's rate
+            load_gamma = self.load_map(rate)
             head = ordered[:slots]  # Alg. 3 decides each batch from the ones before it: the rest cannot run now
             options = [qb.options(pricer) for qb in head]
             deadlines = [qb.deadline for qb in head]
             means = [sum(r.utility for r in qb.requests) / len(qb.requests) for qb in head]
-            chosen = manual_allocate(deadlines, means, options, start, load_gamma, self.params.kappa, m)
+            chosen = manual_allocate(deadlines, means, options, start, load_gamma, self.params.kappa, m,
+                                     self.load_map.sustaining(rate))
             self.counters["alg3_runs"] += 1
             return [(qb, g, "load") for qb, g in zip(head, chosen)]
         # solve_token_dp(deadlines, options, clock, max_labels, undominated=stages), less its argument checks

@@ -256,6 +256,44 @@ def test_manual_allocate_branches():
     assert manual_allocate([0.15], [1.0], [opts()], 0.0, load_gamma=0, kappa=0.8) == (2,)
 
 
+def test_a_critical_batch_gets_the_most_accurate_gamma_the_load_sustains():
+    """Alg. 3's max(L) branch (module docstring): among gammas that meet d_b, only those the load
+    map says sustain q, and f(q) itself. At 110 req/s (LoadToGamma rows above: 0 sustains 128,
+    2 sustains 102.4, 8 sustains 64) f(q) = 0 and gamma 0 and the faster gammas sustain q."""
+    f = LoadToGamma.from_profile(LAT, ACCP, GRID, GAMMAS, headroom=0.8)
+    assert f.sustaining(110) == {-10, -5, 0} and f(110) == 0
+    assert f.sustaining(300) == frozenset() and f.sustaining(0) == set(GAMMAS)
+    opts = [GammaOption(g, SCALE[g] * 0.05, ACC["c100"][g]) for g in GAMMAS]
+    # no bound: the most accurate gamma that fits, 8; bounded: 0, the most accurate sustaining one
+    assert manual_allocate([10.0], [1.0], [opts], 0.0, load_gamma=0, kappa=0.8) == (8,)
+    assert manual_allocate([10.0], [1.0], [opts], 0.0, load_gamma=0, kappa=0.8, sustaining=f.sustaining(110)) == (0,)
+    # at a load every gamma sustains, the bound changes nothing
+    assert manual_allocate([10.0], [1.0], [opts], 0.0, load_gamma=8, kappa=0.8, sustaining=f.sustaining(10)) == (8,)
+    # where no gamma sustains q, f(q) (the fastest) is still allowed, and chosen
+    assert manual_allocate([10.0], [1.0], [opts], 0.0, load_gamma=-10, kappa=0.8, sustaining=f.sustaining(300)) \
+        == (-10,)
+    # a non-critical batch is f(q)'s whatever the bound
+    assert manual_allocate([10.0], [0.5], [opts], 0.0, load_gamma=0, kappa=0.8, sustaining=frozenset()) == (0,)
+
+
+def test_the_policy_bounds_a_critical_batch_by_the_rate_it_reads():
+    """OTASPolicy hands Alg. 3 the gammas that sustain the rate it measured: critical requests
+    (utility 1 > kappa) run at the most accurate gamma, 8, at a trickle, and never above f(q)'s
+    accuracy when 110 req/s arrive (f(q) = 0; 2 and 8 cannot sustain it)."""
+    def run(rate, n):
+        # n arrivals, evenly spaced, then a plan: the 0.25 s window reads about ``rate``, and
+        # n <= 40 requests make at most beta = 5 batches of 8, so Alg. 3 plans them
+        p = otas(params=OTASParams(rate_window=0.25))
+        p.start_time = -10.0  # past the initial stage
+        for i in range(n):
+            p.on_arrival(req(i, i / rate, deadline=i / rate + 5.0, utility=1.0, task="c100"), i / rate)
+        plan = p.plan(n / rate, [0])
+        assert plan.batches and p.counters["alg3_runs"] == 1 and p.counters["dp_runs"] == 0
+        return plan.batches[0].cell.gamma
+    assert run(5, 3) == 8
+    assert run(110, 28) == 0
+
+
 def test_alg3_reads_one_instance_s_share_of_the_rate():
     """199 req/s over four instances is 49.75 req/s each, which gamma 8 sustains (64 req/s at
     headroom 0.8, test_load_map_from_profile_picks_expected_gammas): the first four batches of
@@ -399,7 +437,7 @@ def check_cell(policy, grid=GRID):
 def test_otas_never_loses_a_request(instances):
     requests = bursty_requests(1)
     p = otas()
-    batches, evicted = drive(p, requests, instances, slowdown=lambda i: 1.6 if i % 7 == 0 else 1.0,
+    batches, evicted = drive(p, requests, instances, slowdown=lambda i: 2.0 if i % 7 == 0 else 1.0,
                              check=check_cell(p))
     ids = [i for b in batches for i in b.request_ids] + evicted
     assert sorted(ids) == [r.id for r in requests]  # each id exactly once
