@@ -650,7 +650,8 @@ def _otas_dinov2_live(u):
 
 def _otas_dinov2_live_goal(u):
     m = u.rx(r"Goal \(>= \+18\.2% utility against PetS on the bursty trace, live\): (met|NOT met)")
-    return "≥ +18.2% vs PetS, bursty — " + ("met" if m.group(1) == "met" else "not met")
+    # one run per policy and trace; unchanged policies move by ~10% between runs (the section's reading)
+    return "≥ +18.2% vs PetS, bursty — " + ("met in one run" if m.group(1) == "met" else "not met")
 
 
 QUART_SEEDS = "QUART / policy, per-seed median (range)"
