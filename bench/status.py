@@ -171,12 +171,14 @@ def _waived(s: "Section", measures) -> list[str]:
 
 
 def _recorded_in(results: Path, line: int) -> str:
-    """The commit that recorded line ``line`` of the real RESULTS.md (git blame at HEAD), or ''."""
+    """The commit that recorded line ``line`` of the real RESULTS.md as it stands in the working
+    tree, or '' (not committed yet). Blaming the working tree, not HEAD: ``line`` is a line
+    number in the file on disk, which uncommitted edits above it shift."""
     try:
         rel = results.resolve().relative_to(ROOT)
     except ValueError:
         return ""
-    out = git("blame", "--porcelain", "-L", f"{line},{line}", "HEAD", "--", str(rel))
+    out = git("blame", "--porcelain", "-L", f"{line},{line}", "--", str(rel))
     h = out.split(" ", 1)[0] if out else ""
     return "" if not h or set(h) == {"0"} else h
 
