@@ -43,7 +43,7 @@ second (INFaaSPolicy's default hysteresis, ``hold``).
 
 ``--model dinov2-s14`` (issue 23, items 3 and 4; section ``otas-utility-sim-dinov2-s14``): the same
 at the paper's rates with DINOv2 ViT-S/14's profile. Its cost model (bench/otas_cost_dinov2-s14.json)
-is the latency per (batch 1-8, gamma -21..+4) measured on this CPU through the serving runtime
+is the latency per (batch 1-8, gamma -26..+4) measured on this CPU through the serving runtime
 (bench/otas_profile.py --model dinov2-s14) with the probes' and prompts' held-out accuracy per (task,
 gamma) (jaxserve/assets/dinov2-s14-prompts/accuracy.json), scaled as above (gamma 0 at batch 8
 serves 580 req/s). Query types are

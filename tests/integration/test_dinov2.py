@@ -222,7 +222,7 @@ def test_served_runtime_normalises_per_channel_and_matches_the_model(fixture, tm
     with pytest.raises(ValueError, match="lacks"):
         load_image_runtime("dinov2-s14", None, ShapeGrid((1,), gammas=(0, 2)), prompts_dir=tmp_path / "repo",
                            tune=False)
-    with pytest.raises(ValueError, match="outside its profiled range -21..4"):
+    with pytest.raises(ValueError, match="outside its profiled range -26..4"):
         load_image_runtime("dinov2-s14", None, ShapeGrid((1,), gammas=(-30, 0)), prompts_dir=tmp_path / "repo",
                            tune=False)
     rt = load_image_runtime("dinov2-s14", None, ShapeGrid((1,), gammas=(0,)), prompts_dir=tmp_path / "repo",
