@@ -287,10 +287,11 @@ OTAS_GAMMAS = {
     # is -26 (r = 26 x 8, then 24/12/6/3: gamma_settings). -21 is the deepest that clamps only the last
     # layer. Throughput at batch 8 (bench/RESULTS.md, otas-throughput-dinov2-s14): on a quiet host
     # -21/-18/-15/-12/-8/-4 ran 1.94/1.69/1.50/1.34/1.21/1.07x gamma 0, short of issue 23's 2x goal at
-    # -21, which is why -26 was added; the rest of the list steps by ~0.15x. One prompt count is
-    # trained (training/train_dinov2_probes.py --prompts 4: a step through the backbone takes seconds
-    # on 2 cores), so the one gamma > 0 is +4 (+2/+4/+8 measured at 0.99/0.97/0.94x gamma 0's throughput).
-    "dinov2-s14": (-26, -21, -18, -15, -12, -8, -4, 0, 4),
+    # -21, which is why -26 was added, with -24 as the step between; the rest of the list steps by
+    # ~0.15x. One prompt count is trained (training/train_dinov2_probes.py --prompts 4: a step through
+    # the backbone takes seconds on 2 cores), so the one gamma > 0 is +4 (+2/+4/+8 measured at
+    # 0.99/0.97/0.94x gamma 0's throughput).
+    "dinov2-s14": (-26, -24, -21, -18, -15, -12, -8, -4, 0, 4),
 }
 
 # DINOv2 was trained on ImageNet-normalised RGB; images arrive in [0, 1] and are normalised so, per

@@ -1,7 +1,7 @@
 """Linear probes and deep prompts on the frozen DINOv2 ViT-S/14 backbone, and their accuracy per (task, gamma).
 
     nice python -m training.train_dinov2_probes [--tasks mnist,animals] [--train-per-class 32]
-                   [--eval-per-class 20] [--gammas=-26,-21,-18,-15,-12,-8,-4,0] [--out jaxserve/assets/dinov2-s14-prompts]
+                   [--eval-per-class 20] [--gammas=-26,-24,-21,-18,-15,-12,-8,-4,0] [--out jaxserve/assets/dinov2-s14-prompts]
     nice python -m training.train_dinov2_probes --prompts 4 [--tasks mnist,animals] [--epochs 6]
                    [--batch-size 16] [--lr 0.01]        # after the probes: gamma +P for each P
 
@@ -113,7 +113,7 @@ def main() -> None:
     p.add_argument("--tasks", default="mnist")
     p.add_argument("--train-per-class", type=int, default=32)
     p.add_argument("--eval-per-class", type=int, default=20)
-    p.add_argument("--gammas", default="-26,-21,-18,-15,-12,-8,-4,0")
+    p.add_argument("--gammas", default="-26,-24,-21,-18,-15,-12,-8,-4,0")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(dinov2_prompts_dir()))
     p.add_argument("--prompts", default="", help="train these prompt counts P (gamma +P) on the existing probes")
