@@ -2,7 +2,7 @@
 
     nice -n 10 python -m bench.otas_throughput [--batch 8] [--repeats 5] [--write]
     nice -n 10 python -m bench.otas_throughput --config dinov2-s14 --gammas=-26,-24,-21,-18,-15,-12,-8,-4,0,2,4,8 \
-        --no-accumulate --write      # DINOv2 ViT-S/14 (issue 23): 257 tokens, 12 layers
+        --no-accumulate --repeats 15 --write      # DINOv2 ViT-S/14 (issue 23): 257 tokens, 12 layers
 
 For ``dinov2-s14`` the question is which gamma range to serve, and the goal is a most-merging gamma
 >= 2x the throughput of gamma 0. On 256 patch tokens over 12 layers, r = 21 per layer is the deepest
@@ -32,7 +32,7 @@ MEASURES = (
 )
 SECTIONS = {
     "otas-throughput-vit-b16": "--config vit-b16 --batch 8 --repeats 5 --write",
-    "otas-throughput-dinov2-s14": "--config dinov2-s14 --gammas=-26,-24,-21,-18,-15,-12,-8,-4,0,2,4,8 --no-accumulate --repeats 5 --write",
+    "otas-throughput-dinov2-s14": "--config dinov2-s14 --gammas=-26,-24,-21,-18,-15,-12,-8,-4,0,2,4,8 --no-accumulate --repeats 15 --write",
 }
 
 import argparse
