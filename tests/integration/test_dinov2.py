@@ -143,6 +143,25 @@ def test_dinov2_gamma_range_fits_257_tokens():
                 assert merge_r == (-gamma,) * 12
 
 
+def test_dinov2_deepest_gamma_merges_as_far_as_the_papers_on_vit_b16():
+    """registry.OTAS_GAMMAS's decision: DINOv2's deepest gamma ends as the paper's -20 does on ViT-B/16
+    (the same tokens out of the last layer, the same trailing layers clamped by ToMe's bipartite
+    limit), and it is the least |gamma| that does."""
+    from jaxserve.registry import OTAS_GAMMAS
+
+    def end(config_name, gamma):
+        cfg = VIT_CONFIGS[config_name]
+        merge_r, _ = gamma_settings(cfg, gamma)
+        clamped = sum(1 for r in merge_r if r < -gamma)
+        return token_counts(cfg, merge_r)[-1], clamped
+
+    paper = end("vit-b16", min(OTAS_GAMMAS["vit-b16"]))
+    assert paper == (4, 4)
+    deepest = min(OTAS_GAMMAS["dinov2-s14"])
+    assert end("dinov2-s14", deepest) == paper
+    assert end("dinov2-s14", deepest + 1) != paper
+
+
 @pytest.fixture(scope="module")
 def fixture():
     return np.load(FIXTURE)
