@@ -71,6 +71,14 @@ S to 1 and C to T, and keeps the larger utility. Three problems, fixed here:
    per decision there). Per batch, gamma options dominated in both time and utility are
    dropped first (exact).
 
+Alg. 2 without a trade-off. When every queued batch, in EDD order, meets its deadline at its
+most useful gamma, and each of those leads its batch's next best option by a clear margin, that
+assignment is the DP's answer to the bit, and the policy takes it without building frontiers
+(:func:`_all_best_solution`, which proves it; ``OTASParams.all_best_shortcut=False``: always the
+full DP). Below capacity that is every decision, and at 100 instances the DP (linear in a queue of
+~90 batches, ~0.8 ms each even in native code) was three quarters of a simulation's wall time.
+The paper's DP makes the same decisions, at the paper's cost only where load forces a choice.
+
 l_b = 0 ("batch not executed") is a choice for every batch. A batch the DP leaves out is
 not evicted at once: it stays queued and is re-planned at the next decision (new
 arrivals and real completion times change the picture); a request is evicted only when
@@ -206,6 +214,9 @@ class OTASParams:
     rate_window: float = 1.0  # s, arrival-rate window
     headroom: float = 0.8  # f(q): a gamma may run at most at this utilisation
     max_labels: int = 128  # DP frontier cap per batch (exact below it)
+    # Answer Alg. 2 without building frontiers where every queued batch's most useful gamma fits
+    # (:func:`_all_best_solution`: provably the DP's own answer); False: always the full DP.
+    all_best_shortcut: bool = True
     # Plan for the instances served (m >= 1: the m-executor clock, the rate per instance; the module
     # docstring, Several instances); False: the paper's one sequential executor whatever m.
     share_instances: bool = True
@@ -229,6 +240,7 @@ class DPSolution:
     finish: float  # clock after the last executed batch
     max_frontier: int  # largest label set kept for one batch
     truncated: bool  # the frontier was thinned somewhere: optimality not guaranteed
+    all_best: bool = False  # answered by :func:`_all_best_solution` (one label per batch, no frontier)
 
 
 @dataclass(frozen=True)
@@ -267,7 +279,27 @@ class ModelVariant:
 
 
 def _undominated(options: Sequence[GammaOption]) -> list[tuple[int, GammaOption]]:
-    """Options not beaten in both time (<=) and utility (>=) by another; first of equals kept."""
+    """Options not beaten in both time (<=) and utility (>=) by another; first of equals kept.
+
+    One sort instead of every pair (a plan rebuilds this for each batch that changed): ordered by
+    (seconds, higher utility first, index), an option is beaten exactly when one before it has at
+    least its utility (one before it is no slower, and it is faster, more useful, or equal and
+    first). With a NaN anywhere the pairwise rule (:func:`_undominated_pairs`) decides, as always.
+    """
+    top = None  # the least negated utility so far
+    kept_at: list[int] = []
+    for seconds, neg, i in sorted([(o.seconds, -o.utility, i) for i, o in enumerate(options)]):
+        if seconds != seconds or neg != neg:  # a NaN (the one value unequal to itself): the sort is no order
+            return _undominated_pairs(options)
+        if top is None or neg < top:
+            kept_at.append(i)
+            top = neg
+    kept_at.sort()
+    return [(i, options[i]) for i in kept_at]
+
+
+def _undominated_pairs(options: Sequence[GammaOption]) -> list[tuple[int, GammaOption]]:
+    """:func:`_undominated` by comparing every pair: the definition."""
     kept: list[tuple[int, GammaOption]] = []
     for i, o in enumerate(options):
         dominated = False
@@ -341,6 +373,7 @@ def solve_token_dp(
 
 
 _STAGE_NATIVE = attrgetter("native")
+_DEADLINE = attrgetter("_deadline")
 _SECOND, _THIRD = itemgetter(1), itemgetter(2)
 _STAGE_RECORD = attrgetter("record")
 
@@ -411,6 +444,49 @@ def _solve_stages(deadlines: Sequence[float], options: Sequence[Sequence[GammaOp
     return DPSolution(tuple(gammas), utility, finish, widest, truncated)
 
 
+def _all_best_solution(deadlines: Iterable[float], stages: Iterable["_DPStage"], start: float,
+                       executors: int = 1) -> DPSolution | None:
+    """Alg. 2's answer where it needs no trade-off, without building a frontier; None elsewhere.
+
+    ``deadlines`` and ``stages``: per batch in EDD order, d_b and its undominated options (read
+    lazily, in step: a batch that does not fit ends the pass). Contract: where this returns a
+    solution, :func:`solve_token_dp` on the same batches, start and
+    executors (any ``max_labels`` >= 2) returns the same gammas and the same ``utility`` and ``finish``
+    to the bit; only ``max_frontier`` (1) and ``truncated`` (False) differ, and ``all_best`` is True
+    (tests/unit/test_otas_sched.py checks it on the DP's hard random cases and in whole simulations).
+
+    It answers when, in EDD order from ``start``, every batch at its most useful undominated option
+    meets its deadline (the DP's own test: clock + seconds < d_b, the clock moved on by seconds /
+    executors per batch, the same double operations in the same order), and that option beats the
+    batch's next best (skip's 0 included) by more than ``1e-8 * max(1, sum of the best utilities)``.
+    Then every other assignment earns at least that margin less, far more than the DP's near-tie
+    tolerance (1e-9 relative) and the rounding of any sum; so at every stage the all-best label has
+    the frontier's lowest negated utility by that margin: it is kept when the candidate order reaches
+    it, nothing after it is kept, it is the frontier's last label, which thinning keeps, and the
+    final label the DP backtracks from. Below load this is most decisions (bench/RESULTS.md,
+    sim_speed: at 0.7 of capacity every one): the DP, linear in the queue and at 128 labels about
+    0.8 ms on a queue of ~90 batches, was most of a 100-instance simulation's wall time.
+    """
+    clock, neg, total, lead = start, -0.0, 0.0, math.inf
+    gammas: list[Optional[int]] = []
+    for stage, deadline in zip(stages, deadlines):
+        best = stage.best
+        if best is None:
+            return None
+        gamma, seconds, utility, gap = best
+        if not clock + seconds < deadline:
+            return None
+        if gap < lead:
+            lead = gap
+        clock = clock + seconds / executors
+        neg = neg - utility
+        total += abs(utility)
+        gammas.append(gamma)
+    if not (lead > 1e-8 * max(1.0, total) and math.isfinite(total) and math.isfinite(clock)):
+        return None
+    return DPSolution(tuple(gammas), -neg, clock, 1, False, True)
+
+
 _SWITCHED_OFF = ("0", "false", "no", "off")
 _NUMBERS = (float, int)  # what Python's float arithmetic reads as the double the native DP reads
 
@@ -463,20 +539,58 @@ class _DPStage:
     take the stage. ``record``: the options as it reads them, float64 bytes: their count, then
     (seconds, utility) per option."""
 
-    __slots__ = ("useful", "width", "columns", "delta", "plain", "native", "record", "_shared")
+    __slots__ = ("useful", "width", "columns", "plain", "native", "best", "_delta", "_record", "_shared")
 
     def __init__(self, useful: Iterable[tuple[int, GammaOption]]) -> None:
         self.useful: tuple[tuple[int, GammaOption], ...] = tuple(useful)
         self.width = len(self.useful) + 1
-        self.columns = [-1] + [k for k, _ in self.useful]
-        self.delta = np.array([complex(-0.0, -0.0)] + [complex(o.seconds, -o.utility) for _, o in self.useful],
-                              dtype=np.complex128)
-        self.plain = all(math.isfinite(o.seconds) and math.isfinite(o.utility) for _, o in self.useful)
-        self.native = self.plain and all(isinstance(o.seconds, _NUMBERS) and isinstance(o.utility, _NUMBERS)
-                                         for _, o in self.useful)
-        self.record = np.array([len(self.useful)] + [x for _, o in self.useful for x in (o.seconds, o.utility)],
-                               dtype=np.float64).tobytes()
+        columns = [-1]
+        plain = native = True
+        # the most useful option and the next best utility (skip's 0 included), for ``best``
+        top: tuple[int, GammaOption] | None = None
+        runner_up = 0.0
+        isfinite = math.isfinite
+        for entry in self.useful:
+            k, o = entry
+            columns.append(k)
+            seconds, utility = o.seconds, o.utility
+            if plain:
+                if isfinite(seconds) and isfinite(utility):
+                    native = native and isinstance(seconds, _NUMBERS) and isinstance(utility, _NUMBERS)
+                    if top is None or utility > top[1].utility:  # undominated: no two utilities are equal
+                        if top is not None and top[1].utility > runner_up:
+                            runner_up = top[1].utility
+                        top = entry
+                    elif utility > runner_up:
+                        runner_up = utility
+                else:
+                    plain = native = False
+        self.columns = columns
+        self.plain = plain
+        self.native = native
+        # For _all_best_solution: (gamma, seconds, utility, lead over the next best) of the most
+        # useful option; None without options or where one is not finite.
+        self.best: tuple[int, float, float, float] | None = None
+        if top is not None and plain:
+            o = top[1]
+            self.best = (o.gamma, o.seconds, o.utility, o.utility - runner_up)
+        self._delta: np.ndarray | None = None  # made on first use: a DP the shortcut answers reads neither
+        self._record: bytes | None = None
         self._shared: tuple[int, np.ndarray] | None = None
+
+    @property
+    def delta(self) -> np.ndarray:
+        if self._delta is None:
+            self._delta = np.array([complex(-0.0, -0.0)] + [complex(o.seconds, -o.utility) for _, o in self.useful],
+                                   dtype=np.complex128)
+        return self._delta
+
+    @property
+    def record(self) -> bytes:
+        if self._record is None:
+            self._record = np.array([len(self.useful)] + [x for _, o in self.useful for x in (o.seconds, o.utility)],
+                                    dtype=np.float64).tobytes()
+        return self._record
 
     def shared(self, executors: int) -> np.ndarray:
         """``delta`` with each clock step divided by ``executors`` (-0.0 / m == -0.0: skip still
@@ -939,6 +1053,70 @@ class _QueuedBatch:
         return (self.deadline, self.opened, self.key)
 
 
+class _Ahead:
+    """The busy instances' estimated finishes still ahead of the clock, and their sum: the backlog
+    :meth:`SelectiveBatchingPolicy._share` reads at every plan that schedules, in O(1) amortised
+    instead of a pass over every busy instance (at 1,000 instances that pass was a fifth of a
+    simulation's wall time).
+
+    ``set``/``drop`` follow the policy's busy estimates; :meth:`backlog` (``now`` never earlier
+    than the last asked) first retires the finishes no longer after ``now``, then returns
+    ``sum - count * now``: the same backlog as summing ``finish - now`` over the finishes after
+    ``now``, up to rounding (it differs only where two or more instances are busy, the only case
+    where the plan reads it: one instance plans from ``now``). The running sum is recomputed
+    exactly (``math.fsum``) once per as many updates as it holds, and is 0 whenever it is empty,
+    so rounding never accumulates. None where it cannot answer: ``now`` earlier than a previous
+    ask (the caller then reads every estimate) or a finish that is not finite.
+    """
+
+    __slots__ = ("_of", "_heap", "_sum", "_swept", "_updates")
+
+    def __init__(self) -> None:
+        self._of: dict[int, float] = {}  # instance -> its finish, counted in _sum
+        self._heap: list[tuple[float, int]] = []  # (finish, instance), stale entries too
+        self._sum = 0.0
+        self._swept = -math.inf  # the latest now asked
+        self._updates = 0
+
+    def set(self, instance: int, finish: float) -> None:
+        self.drop(instance)
+        if finish > self._swept:
+            self._of[instance] = finish
+            self._sum += finish
+            self._updates += 1
+            heappush(self._heap, (finish, instance))
+            if len(self._heap) > 2 * len(self._of) + 64:  # mostly stale: rebuild
+                self._heap = [(f, i) for i, f in self._of.items()]
+                heapify(self._heap)
+
+    def drop(self, instance: int) -> None:
+        finish = self._of.pop(instance, None)
+        if finish is not None:
+            self._sum -= finish
+            self._updates += 1
+
+    def backlog(self, now: float) -> float | None:
+        if now < self._swept:
+            return None
+        self._swept = now
+        heap, of = self._heap, self._of
+        while heap and heap[0][0] <= now:
+            f, i = heappop(heap)
+            if of.get(i) == f:
+                del of[i]
+                self._sum -= f
+                self._updates += 1
+        if not of:
+            self._sum, self._updates = 0.0, 0
+            return 0.0
+        if self._updates > len(of) + 64:
+            self._sum, self._updates = math.fsum(of.values()), 0
+        total = self._sum
+        if not math.isfinite(total):
+            return None
+        return total - len(of) * now
+
+
 class _BatchQueue:
     """The queued batches of a :class:`SelectiveBatchingPolicy`, indexed for what every event asks.
 
@@ -1197,6 +1375,7 @@ class SelectiveBatchingPolicy(Policy):
         self._inflight: dict[int, tuple[Request, float]] = {}  # id -> (request, accuracy)
         self._busy_until: dict[int, float] = {}  # instance -> estimated finish
         self._finishes: list[tuple[float, int]] = []  # heap of (finish, instance), stale ones too: _free_at
+        self._ahead = _Ahead()  # the estimates still ahead of the clock, summed: _share's backlog
         # insertion-ordered like dicts, and the oldest record leaves in O(1) (_trim_records)
         self.outcomes: dict[int, OutcomeType] = OrderedDict()
         self.request_gamma: dict[int, int] = OrderedDict()
@@ -1240,6 +1419,7 @@ class SelectiveBatchingPolicy(Policy):
     def on_completion(self, batch: Batch, now: float,
                       summaries: Mapping[int, StepSummary] | None = None) -> None:
         self._busy_until.pop(batch.instance, None)
+        self._ahead.drop(batch.instance)
         for rid in batch.request_ids:
             entry = self._inflight.pop(rid, None)
             if entry is None:
@@ -1282,7 +1462,9 @@ class SelectiveBatchingPolicy(Policy):
             return
         both = [i for i in idle if i in busy]
         self.executors = len(busy) + len(idle) - len(both)
-        backlog = sum(f - now for f in busy.values() if f > now)
+        backlog = self._ahead.backlog(now)
+        if backlog is None:  # a clock that went back, or a finish that is not finite: every estimate read
+            backlog = sum(f - now for f in busy.values() if f > now)
         for i in both:
             if busy[i] > now:
                 backlog -= busy[i] - now
@@ -1422,6 +1604,7 @@ class SelectiveBatchingPolicy(Policy):
         ids = tuple(r.id for r in qb.requests)
         start = max(now, self._blocked_until())
         self._busy_until[instance] = start + seconds
+        self._ahead.set(instance, start + seconds)
         heappush(self._finishes, (start + seconds, instance))
         if len(self._finishes) > 2 * len(self._busy_until) + 64:  # mostly stale: rebuild
             self._finishes = [(f, i) for i, f in self._busy_until.items()]
@@ -1523,15 +1706,23 @@ class OTASPolicy(SelectiveBatchingPolicy):
             for qb in self._queue:
                 qb.dp = None
             self._dp_pricer = pricer
+        if self.params.max_labels < 2:
+            raise ValueError("max_labels must be at least 2")
+        if self.params.all_best_shortcut:  # one pass over the queue, caching each batch's inputs as it goes
+            solution = _all_best_solution(map(_DEADLINE, ordered),
+                                          ((qb.dp or qb.cache_dp(pricer))[2] for qb in ordered), start, m)
+            if solution is not None:
+                self.last_solution = solution
+                self.counters["dp_runs"] += 1
+                self.counters["dp_all_best"] += 1
+                # every batch runs; only the first ``slots`` can start now (the contract above)
+                return [(qb, g, "dp") for qb, g in zip(ordered[:slots], solution.gammas)]
         dps = [qb.dp for qb in ordered]
         if None in dps:
             dps = [dp if dp is not None else qb.cache_dp(pricer) for qb, dp in zip(ordered, dps)]
         options: list[list[GammaOption]] = list(map(_SECOND, dps))
         stages: list[_DPStage] = list(map(_THIRD, dps))
-        if self.params.max_labels < 2:
-            raise ValueError("max_labels must be at least 2")
-        solution = _solve_stages([qb._deadline for qb in ordered], options, stages, start, self.params.max_labels,
-                                 m)
+        solution = _solve_stages([qb._deadline for qb in ordered], options, stages, start, self.params.max_labels, m)
         self.last_solution = solution
         self.counters["dp_runs"] += 1
         self.counters["dp_truncated"] += int(solution.truncated)
