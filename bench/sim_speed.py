@@ -35,11 +35,14 @@ far past it each trace reached. The queue still starts empty, and the arrival-ra
 Timing: wall time of ``simulate`` alone (trace and policy are built before the clock
 starts). A pilot run of ``--pilot`` requests sizes each cell so one run takes about
 ``--seconds``; the cell then runs ``--repeats`` times on the same trace (a fresh policy
-each time) and the median is reported. Each OTAS cell's trace also runs once with the DP in
-Python/numpy (``JAXSERVE_NATIVE_DP=0``; skip with ``--no-numpy-dp``), and the two results are
-compared array by array: the native DP's speed-up in the same run.
+each time) and the median is reported. OTAS answers Alg. 2 without its DP where no trade-off is
+needed (``OTASParams.all_best_shortcut``, provably the DP's own answer: jaxserve.sched.otas); the
+table counts the plans it answered. Each OTAS cell's trace also runs once with the whole DP at
+every plan, in native code and in Python/numpy (``JAXSERVE_NATIVE_DP=0``; skip both with
+``--no-full-dp``, the numpy one with ``--no-numpy-dp``), and each result is compared with the
+shortcut's array by array: the shortcut's and the native DP's speed-ups in the same run.
 
-    .venv/bin/python -m bench.sim_speed [--seconds 5] [--repeats 3] [--no-numpy-dp] [--write]
+    .venv/bin/python -m bench.sim_speed [--seconds 5] [--repeats 3] [--no-full-dp] [--no-numpy-dp] [--write]
 """
 
 from __future__ import annotations
@@ -152,23 +155,29 @@ def make_workload(setup: Setup, rate: float, n: int, seed: int, lengths: np.ndar
                              slo_s=setup.slo_ms / 1e3)
 
 
-def timed(setup: Setup, instances: int, trace: traces.Trace):
+def timed(setup: Setup, instances: int, trace: traces.Trace, full_dp: bool = False):
+    """(result, wall seconds of ``simulate``, the policy); ``full_dp``: OTAS runs Alg. 2's whole DP at
+    every plan (``OTASParams.all_best_shortcut=False``)."""
     policy = build(setup, instances)
+    if full_dp:
+        import dataclasses
+
+        policy.params = dataclasses.replace(policy.params, all_best_shortcut=False)
     t0 = time.perf_counter()
     result = simulate(policy, trace, setup.cost, instances)
-    return result, time.perf_counter() - t0
+    return result, time.perf_counter() - t0, policy
 
 
 def run_cell(setup: Setup, instances: int, args, lengths: np.ndarray | None) -> dict:
     probe = build(setup, instances)
     rate = args.load * instances * capacity_per_instance(setup, probe, lengths if lengths is not None else np.zeros(1))
     pilot = make_workload(setup, rate, args.pilot, args.seed, lengths)
-    _, wall = timed(setup, instances, pilot)
+    _, wall, _ = timed(setup, instances, pilot)
     n = int(min(args.max_requests, max(args.pilot, args.pilot / wall * args.seconds)))
     trace = make_workload(setup, rate, n, args.seed, lengths) if n != args.pilot else pilot
-    walls, result = [], None
+    walls, result, policy = [], None, None
     for k in range(args.repeats):
-        result, wall = timed(setup, instances, trace)
+        result, wall, policy = timed(setup, instances, trace)
         walls.append(wall)
         if wall > 3 * args.seconds:  # one long run is measurement enough
             break
@@ -177,8 +186,12 @@ def run_cell(setup: Setup, instances: int, args, lengths: np.ndarray | None) -> 
     out = dict(policy=setup.name, profile=setup.profile, instances=instances, rate=rate, requests=len(trace),
                virtual=result.span(), walls=walls, wall=wall, per_min=len(trace) / wall * 60,
                utilization=s["utilization"], batch=s["mean_batch_size"], slo=float(np.mean(result.outcome == OK)))
-    if setup.name == "otas" and args.numpy_dp:
-        out["numpy_dp"] = numpy_dp_arm(setup, instances, trace, result)
+    if setup.name == "otas":
+        out["shortcut"] = (policy.counters["dp_all_best"], policy.counters["dp_runs"])
+        if args.full_dp:
+            out["full_dp"] = [full_dp_arm(setup, instances, trace, result, native=True)]
+            if args.numpy_dp:
+                out["full_dp"].append(full_dp_arm(setup, instances, trace, result, native=False))
     return out
 
 
@@ -186,41 +199,51 @@ RESULT_ARRAYS = ("start", "finish", "outcome", "batch", "cell_batch", "cell_seq"
                  "batch_finish", "batch_count", "batch_instance")
 
 
-def numpy_dp_arm(setup: Setup, instances: int, trace: traces.Trace, native) -> tuple[float, bool]:
-    """The same trace once more with OTAS's DP in Python/numpy (``JAXSERVE_NATIVE_DP=0``): (wall
-    seconds, whether every array of the result equals the native run's)."""
+def full_dp_arm(setup: Setup, instances: int, trace: traces.Trace, reference, native: bool) -> tuple[float, bool]:
+    """The same OTAS trace once more with Alg. 2's whole DP at every plan (no all-best shortcut), in
+    native code or, ``native=False``, in Python/numpy (``JAXSERVE_NATIVE_DP=0``): (wall seconds,
+    whether every array of the result equals ``reference``'s, the run with the shortcut)."""
     import os
 
     before = os.environ.get("JAXSERVE_NATIVE_DP")
-    os.environ["JAXSERVE_NATIVE_DP"] = "0"
+    if not native:
+        os.environ["JAXSERVE_NATIVE_DP"] = "0"
     try:
-        plain, wall = timed(setup, instances, trace)
+        plain, wall, _ = timed(setup, instances, trace, full_dp=True)
     finally:
         if before is None:
-            del os.environ["JAXSERVE_NATIVE_DP"]
+            os.environ.pop("JAXSERVE_NATIVE_DP", None)
         else:
             os.environ["JAXSERVE_NATIVE_DP"] = before
-    same = all(np.array_equal(getattr(native, f), getattr(plain, f), equal_nan=True) for f in RESULT_ARRAYS)
+    same = all(np.array_equal(getattr(reference, f), getattr(plain, f), equal_nan=True) for f in RESULT_ARRAYS)
     return wall, same
 
 
 HEADER = ["policy", "profile", "instances", "rate req/s", "requests", "virtual s", "runs", "wall s (median)",
           "simulated req/min", "goal met", "utilization", "mean batch", "SLO att.",
-          "DP in numpy: wall s (one run), its / native's median, same result"]
+          "Alg. 2 plans the all-best shortcut answered",
+          "full DP at every plan, native; in numpy: wall s (one run), its / the median above, same result"]
 
 
 def row(r: dict) -> list[str]:
     return [r["policy"], r["profile"], str(r["instances"]), f"{r['rate']:,.0f}", f"{r['requests']:,}",
             f"{r['virtual']:,.1f}", str(len(r["walls"])), f"{r['wall']:.2f}", f"{r['per_min']:,.0f}",
             "yes" if r["per_min"] >= GOAL_PER_MIN else "**no**", f"{r['utilization']:.2f}", f"{r['batch']:.1f}",
-            f"{r['slo']:.3f}", numpy_dp_cell(r)]
+            f"{r['slo']:.3f}", shortcut_cell(r), full_dp_cell(r)]
 
 
-def numpy_dp_cell(r: dict) -> str:
-    if "numpy_dp" not in r:
+def shortcut_cell(r: dict) -> str:
+    if "shortcut" not in r:
         return "-"
-    wall, same = r["numpy_dp"]
-    return f"{wall:.2f}, {wall / r['wall']:.2f}x, {'identical' if same else '**differs**'}"
+    answered, plans = r["shortcut"]
+    return f"{answered:,} of {plans:,}"
+
+
+def full_dp_cell(r: dict) -> str:
+    if not r.get("full_dp"):
+        return "-"
+    return "; ".join(f"{wall:.2f}, {wall / r['wall']:.2f}x, {'identical' if same else '**differs**'}"
+                     for wall, same in r["full_dp"])
 
 
 def main() -> None:
@@ -235,8 +258,10 @@ def main() -> None:
     parser.add_argument("--pilot", type=int, default=5000, help="requests of the run that sizes a cell")
     parser.add_argument("--max-requests", type=int, default=2_000_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-full-dp", dest="full_dp", action="store_false",
+                        help="skip the OTAS cells' other arms (the same trace with the whole DP at every plan)")
     parser.add_argument("--no-numpy-dp", dest="numpy_dp", action="store_false",
-                        help="skip the OTAS cells' second arm (the same trace with the DP in Python/numpy)")
+                        help="skip the OTAS cells' arm with the whole DP in Python/numpy")
     parser.add_argument("--write", action="store_true", help="record the table in bench/RESULTS.md")
     add_quick(parser, seconds=0.05, repeats=1, pilot=500, max_requests=1000)
     args = apply_quick(parser.parse_args())
@@ -276,8 +301,9 @@ def main() -> None:
         "its run began its 2 s initial stage (Alg. 3 only) before the trace, so it plans by Alg. 2 from the first "
         "plan (the script's docstring). Wall time of `simulate` only; 'virtual s' "
         "is the simulated span (Arlo's Runtime Scheduler runs every 120 s of it, after 10 s). The OTAS cells also run "
-        "their trace once with Alg. 2's DP in Python/numpy (`JAXSERVE_NATIVE_DP=0`) instead of native code, and "
-        "compare every array of the two results. "
+        "their trace once with Alg. 2's whole DP at every plan (`OTASParams(all_best_shortcut=False)`), in native "
+        "code and in Python/numpy (`JAXSERVE_NATIVE_DP=0`), and compare every array of each result with the run "
+        "above: the shortcut's and the native DP's speed-ups, in the same run. "
         f"Whole run: {elapsed:.0f} s.")
     print()
     print(text)
