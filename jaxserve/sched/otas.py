@@ -75,8 +75,9 @@ Alg. 2 without a trade-off. When every queued batch, in EDD order, meets its dea
 most useful gamma, and each of those leads its batch's next best option by a clear margin, that
 assignment is the DP's answer to the bit, and the policy takes it without building frontiers
 (:func:`_all_best_solution`, which proves it; ``OTASParams.all_best_shortcut=False``: always the
-full DP). Below capacity that is every decision, and at 100 instances the DP (linear in a queue of
-~90 batches, ~0.8 ms each even in native code) was three quarters of a simulation's wall time.
+full DP). Below capacity that was every decision in our simulations (bench/RESULTS.md, sim_speed),
+and at 100 instances the DP (linear in a queue of ~90 batches, ~0.8 ms each even in native code)
+had been three quarters of a simulation's wall time.
 The paper's DP makes the same decisions, at the paper's cost only where load forces a choice.
 
 l_b = 0 ("batch not executed") is a choice for every batch. A batch the DP leaves out is
@@ -453,7 +454,7 @@ def _all_best_solution(deadlines: Iterable[float], stages: Iterable["_DPStage"],
     solution, :func:`solve_token_dp` on the same batches, start and
     executors (any ``max_labels`` >= 2) returns the same gammas and the same ``utility`` and ``finish``
     to the bit; only ``max_frontier`` (1) and ``truncated`` (False) differ, and ``all_best`` is True
-    (tests/unit/test_otas_sched.py checks it on the DP's hard random cases and in whole simulations).
+    (tests/unit/test_otas_all_best.py checks it on the DP's hard random cases and in whole simulations).
 
     It answers when, in EDD order from ``start``, every batch at its most useful undominated option
     meets its deadline (the DP's own test: clock + seconds < d_b, the clock moved on by seconds /
@@ -547,24 +548,24 @@ class _DPStage:
         columns = [-1]
         plain = native = True
         # the most useful option and the next best utility (skip's 0 included), for ``best``
-        top: tuple[int, GammaOption] | None = None
+        top: GammaOption | None = None
         runner_up = 0.0
         isfinite = math.isfinite
-        for entry in self.useful:
-            k, o = entry
+        for k, o in self.useful:
             columns.append(k)
             seconds, utility = o.seconds, o.utility
-            if plain:
-                if isfinite(seconds) and isfinite(utility):
-                    native = native and isinstance(seconds, _NUMBERS) and isinstance(utility, _NUMBERS)
-                    if top is None or utility > top[1].utility:  # undominated: no two utilities are equal
-                        if top is not None and top[1].utility > runner_up:
-                            runner_up = top[1].utility
-                        top = entry
-                    elif utility > runner_up:
-                        runner_up = utility
-                else:
-                    plain = native = False
+            if not plain:
+                continue
+            if not (isfinite(seconds) and isfinite(utility)):
+                plain = native = False
+                continue
+            native = native and isinstance(seconds, _NUMBERS) and isinstance(utility, _NUMBERS)
+            if top is None or utility > top.utility:  # undominated: no two utilities are equal
+                if top is not None and top.utility > runner_up:
+                    runner_up = top.utility
+                top = o
+            elif utility > runner_up:
+                runner_up = utility
         self.columns = columns
         self.plain = plain
         self.native = native
@@ -572,8 +573,7 @@ class _DPStage:
         # useful option; None without options or where one is not finite.
         self.best: tuple[int, float, float, float] | None = None
         if top is not None and plain:
-            o = top[1]
-            self.best = (o.gamma, o.seconds, o.utility, o.utility - runner_up)
+            self.best = (top.gamma, top.seconds, top.utility, top.utility - runner_up)
         self._delta: np.ndarray | None = None  # made on first use: a DP the shortcut answers reads neither
         self._record: bytes | None = None
         self._shared: tuple[int, np.ndarray] | None = None
@@ -1064,8 +1064,8 @@ class _Ahead:
     ``sum - count * now``: the same backlog as summing ``finish - now`` over the finishes after
     ``now``, up to rounding (it differs only where two or more instances are busy, the only case
     where the plan reads it: one instance plans from ``now``). The running sum is recomputed
-    exactly (``math.fsum``) once per as many updates as it holds, and is 0 whenever it is empty,
-    so rounding never accumulates. None where it cannot answer: ``now`` earlier than a previous
+    exactly (``math.fsum``) once the updates since the last recount outnumber its entries (plus
+    64), and is 0 whenever it is empty, so rounding never accumulates. None where it cannot answer: ``now`` earlier than a previous
     ask (the caller then reads every estimate) or a finish that is not finite.
     """
 
