@@ -401,6 +401,17 @@ def live_reading(results: dict) -> str:
             "over to live serving up to the HTTP overheads the cost model does not price.")
 
 
+def _live_against(policies: dict, arm: str) -> dict[str, float]:
+    """Per policy, live utility against the ``arm`` simulation's ("sim" or "held"), in percent."""
+    return {n: (r["live"]["utility"] / r[arm]["utility"] - 1) * 100 for n, r in policies.items()
+            if r.get(arm) and r[arm]["utility"]}
+
+
+def _agreement(label: str, gaps: dict[str, float]) -> str:
+    return (f"; {label} " + ", ".join(f"{n} {v:+.1f}%" for n, v in gaps.items())
+            + f" ({'within' if all(abs(v) <= 10 for v in gaps.values()) else 'not within'} 10% for every policy)")
+
+
 def dinov2_reading(results: dict) -> str:
     """What the DINOv2 run shows: whether OTAS's gamma followed the load, its utility against
     PetS and fixed ToMe (goal: +18.2% against PetS on the bursty trace), and live against
@@ -414,19 +425,14 @@ def dinov2_reading(results: dict) -> str:
         ad = o["adaptation"]
         vs = {n: (o["utility"] / r["live"]["utility"] - 1) * 100 for n, r in pol.items()
               if n != "OTAS" and r["live"]["utility"]}
-        gaps = {n: (r["live"]["utility"] / r["sim"]["utility"] - 1) * 100 for n, r in pol.items() if r["sim"]["utility"]}
-        held = {n: (r["live"]["utility"] / r["held"]["utility"] - 1) * 100 for n, r in pol.items()
-                if r.get("held") and r["held"]["utility"]}
+        gaps, held = _live_against(pol, "sim"), _live_against(pol, "held")
         acted = ("its gamma followed the load" if ad["adapted"] else "its gamma did NOT follow the load")
         parts.append(
             f"{kind}: OTAS used {ad['gammas_used']} gammas and {acted} (mean gamma {ad['busy_gamma']:+.1f} while the "
             f"queue stood above its median, {ad['quiet_gamma']:+.1f} below); its utility "
             + ", ".join(f"{v:+.1f}% against {n}" for n, v in vs.items())
-            + "; live against simulated utility " + ", ".join(f"{n} {v:+.1f}%" for n, v in gaps.items())
-            + f" ({'within' if all(abs(v) <= 10 for v in gaps.values()) else 'not within'} 10% for every policy)"
-            + (("; live against the held-out calibrated simulation " + ", ".join(f"{n} {v:+.1f}%" for n, v in held.items())
-                + f" ({'within' if all(abs(v) <= 10 for v in held.values()) else 'not within'} 10% for every policy)")
-               if held else ""))
+            + _agreement("live against simulated utility", gaps)
+            + (_agreement("live against the held-out calibrated simulation", held) if held else ""))
     bursty = results.get("bursty", {}).get("policies", {})
     goal = ""
     if {"OTAS", "PetS"} <= set(bursty) and bursty["PetS"]["live"]["utility"]:

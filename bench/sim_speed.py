@@ -58,6 +58,7 @@ MEASURES = (
 SECTIONS = {"sim_speed": "--write"}
 
 import argparse
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -160,8 +161,6 @@ def timed(setup: Setup, instances: int, trace: traces.Trace, full_dp: bool = Fal
     every plan (``OTASParams.all_best_shortcut=False``)."""
     policy = build(setup, instances)
     if full_dp:
-        import dataclasses
-
         policy.params = dataclasses.replace(policy.params, all_best_shortcut=False)
     t0 = time.perf_counter()
     result = simulate(policy, trace, setup.cost, instances)
