@@ -10,8 +10,11 @@ paper's rates (~110 req/s) queued requests for seconds in the HTTP layer, before
 bench/otas_utility.py's (six query types of Table II over our three tasks, held-out test
 images), with the paper's arrival rates times ``--rate-scale`` and its SLOs (0.6 s / 1 s)
 times ``--slo-scale``. Each policy gets a fresh server (``--cost-model`` = bench/otas_cost_
-vit-demo.json, so live and simulated policies plan with identical numbers); every request is
-one image sent as a base64 PNG with its task, ``slo_ms`` and ``utility``.
+vit-demo.json, so live and simulated policies plan with identical numbers) with one worker
+(``--instances 1``, the paper's one accelerator, as the simulator runs it: ``serve``'s default
+of 2 workers would run two batches at once on the 2 cores, each slower than the profile, which
+no 1-instance simulation prices); every request is one image sent as a base64 PNG with its
+task, ``slo_ms`` and ``utility``. ``--dump FILE`` pickles every run's raw records.
 
 Scored from the answers: utility counts u_r when the answer is ``ok`` (the engine's clock) and
 its label is right; the outcome type is what the server reported (1 on time, 3 late, 4
@@ -112,6 +115,7 @@ async def replay(url: str, workload, images: dict, labels_of: dict, timeout_s: f
     n = len(trace)
     rec = {"outcome": ["rejected"] * n, "type": np.full(n, 4), "gamma": np.full(n, -99), "right": np.zeros(n, bool),
            "latency": np.full(n, np.nan), "finish": np.full(n, np.nan), "server_ms": np.full(n, np.nan),
+           "queue_ms": np.full(n, np.nan), "shape": [None] * n,
            "sent": np.full(n, np.nan),  # seconds from the start at which the request left the client
            "computed": []}  # computed: (shape, compute ms, ms its instance was held) per answer that ran
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
@@ -147,6 +151,7 @@ async def replay(url: str, workload, images: dict, labels_of: dict, timeout_s: f
                 rec["gamma"][i] = meta["gamma"]
             if meta["outcome"] != "evicted":
                 rec["server_ms"][i] = meta["latency_ms"]
+                rec["queue_ms"][i], rec["shape"][i] = meta["queue_ms"], meta["shape"]
                 rec["computed"].append((meta["shape"], meta["compute_ms"], meta["latency_ms"] - meta["queue_ms"]))
             right = item["label"] is not None and labels_of[task][truth[k]] == item["label"]
             rec["right"][i] = right
@@ -226,6 +231,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--cache-dir", default="compiled_cache")
     p.add_argument("--write", action="store_true")
+    p.add_argument("--dump", default=None, metavar="FILE",
+                   help="also pickle each run's raw records (client records, per-answer server timings, queue "
+                        "samples, the trace) to FILE, for analysis offline")
     add_quick(p, duration=5.0, traces="synthetic")
     args = apply_quick(p.parse_args())
     from bench.fidelity import planned_models, sim_policy
@@ -266,7 +274,7 @@ def main() -> None:
             port = args.port or free_port()
             url = f"http://127.0.0.1:{port}"
             cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", args.model, "--policy", key, "--port",
-                   str(port), "--cache-dir", args.cache_dir, "--max-queue", "4096"]
+                   str(port), "--cache-dir", args.cache_dir, "--max-queue", "4096", "--instances", "1"]
             if dinov2:
                 cmd += ["--batch-sizes", ",".join(map(str, DINOV2_BATCHES))]
             else:
@@ -298,6 +306,8 @@ def main() -> None:
                   f"type1 {sim['types'][1]:.3f}  gammas {live['gamma_share']} {live['adaptation']}", flush=True)
     held_out_sims(results, {names[k]: k for k in args.policies.split(",")}, cost, planned, options, args.model,
                   args.seed, correct, planned[args.model].accuracy if dinov2 else None)
+    if args.dump:
+        dump(results, cost, args.dump)
     grid = planned[args.model].grid
     suffix = f"_{args.model}" if dinov2 else ""
     body_parts = []
@@ -328,7 +338,8 @@ def main() -> None:
     slo = sorted({q[1] for q in (DINOV2_QUERY_TYPES if dinov2 else QUERY_TYPES)})
     plots = [f"![{k}](plots/otas_live_{k}{suffix}.png)" for k in results]
     plots += [f"![{k} gamma](plots/otas_live_gamma_{k}{suffix}.png)" for k in results if "OTAS" in results[k]["policies"]]
-    notes = (f"Live: a fresh `jaxserve serve --model {args.model} --policy P` per policy on 127.0.0.1 (grid: batch "
+    notes = (f"Live: a fresh `jaxserve serve --model {args.model} --policy P --instances 1` per policy on 127.0.0.1, "
+             "one worker as simulated (grid: batch "
              f"{','.join(map(str, grid.batch_sizes))} x gamma {','.join(map(str, grid.gammas))}), open-loop client "
              f"in the same 2 shared cores; paper rates x {args.rate_scale}, SLOs x {args.slo_scale} "
              f"({' / '.join(f'{x * args.slo_scale * 1e3:.0f} ms' for x in slo)}). Type 1/2 split by the client "
@@ -353,6 +364,21 @@ def main() -> None:
                    body, notes)
     print(body)
     print(notes)
+
+
+def dump(results: dict, cost, path: str) -> None:
+    """Pickle the raw material of every run: per trace its arrays, per policy the client's
+    records (``rec``), the server's queue samples and the simulated score, with the cost model."""
+    import pickle
+
+    raw = {kind: {"trace": res["workload"].trace,
+                  "policies": {n: {"rec": r["live"]["rec"], "queue": r["live"]["queue"],
+                                   "sim": {k: v for k, v in r["sim"].items() if k != "curve"}}
+                               for n, r in res["policies"].items()}}
+           for kind, res in results.items()}
+    with open(path, "wb") as f:
+        pickle.dump({"results": raw, "cost": cost}, f)
+    print(f"raw records: {path}", flush=True)
 
 
 def held_out_sims(results: dict, keys: dict, cost, planned: dict, options: dict, model: str, seed: int,
