@@ -324,12 +324,12 @@ def main() -> None:
                          f"{lv['p50_ms']:.0f} / {lv['p98_ms']:.0f}", gam,
                          f"{ad['busy_gamma']:+.1f} / {ad['quiet_gamma']:+.1f}",
                          f"{sm['utility']:.1f} ({sm['types'][1]:.1%})", f"{(lv['utility'] / sm['utility'] - 1) * 100:+.1f}%"
-                         if sm["utility"] else "-", *held_cells(r)])
+                         if sm["utility"] else "-", *arm_cells(r, "own"), *arm_cells(r, "held")])
         body_parts.append(f"**{kind}** (live, {res['requests']} requests in {args.duration:.0f} s):\n\n" + table(
             ["policy", "utility", "vs PetS", "type 1", "type 2", "type 3", "type 4", "429", "errors",
              "client p50 / p98 ms", "gamma shares", "mean gamma, queue above / below its median",
-             "simulated utility (type 1)", "live vs sim utility", "held-out calibrated sim utility (type 1)",
-             "live vs held-out sim"], rows))
+             "simulated utility (type 1)", "live vs sim utility", "sim at its own measured batch times (type 1)",
+             "live vs own-times sim", "held-out calibrated sim utility (type 1)", "live vs held-out sim"], rows))
         _plot(res, PLOTS / f"otas_live_{kind}{suffix}.png", f"cumulative utility, {kind} trace (live HTTP)")
         if "OTAS" in pol:
             _plot_gamma(pol["OTAS"]["live"], PLOTS / f"otas_live_gamma_{kind}{suffix}.png",
@@ -346,11 +346,15 @@ def main() -> None:
              "from the true label; type 4 includes evictions and 429s. Simulated: the same trace and policies, "
              "simulator with the unscaled cost model"
              + (" the server profiled, utility in expectation (the profiled accuracy per task and gamma)" if dinov2
-                else "") + ". Held-out calibrated sim: each policy simulated at the batch prices the *other* "
-             "policies' live runs (both traces) measured: it plans with those runs' per-cell correction as the "
-             "engine's CostDrift holds it (`bench.fidelity.live_prices`), and each batch takes a measured ratio to "
-             "the profile and a hand-off drawn from those runs' batches of its size (`bench.fidelity."
-             "empirical_service`); its own run never enters its prediction. 'Mean gamma, queue above / below its "
+                else "") + ". Sim at its own measured batch times (a replay, not a prediction: it tests the "
+             "simulator's model of one worker, its queue and the policy's decisions given the live service times): "
+             "each batch takes a measured ratio to the profile and a hand-off drawn from the same run's batches of "
+             "its size (`bench.fidelity.empirical_service`), the policy planning at the per-cell prices the engine's "
+             "CostDrift held after them (`bench.fidelity.live_prices`). Held-out calibrated sim (a prediction): the "
+             "*other* policies' live runs (both traces) alone, their batches' compute fitted as scale x profile + "
+             "fixed (`bench.fidelity.affine_fit`; fitted values in the reading), the policy planning at the fit's "
+             "prices and each batch priced by the fit x a residual and a hand-off drawn from those batches "
+             "(`bench.fidelity.affine_service`). 'Mean gamma, queue above / below its "
              "median': each answered request's gamma against the server's queue depth sampled (every 0.5 s) nearest "
              "its answer."
              + "\n\n" + (dinov2_reading(results) if dinov2 else live_reading(results))
@@ -383,30 +387,51 @@ def dump(results: dict, cost, path: str) -> None:
 
 def held_out_sims(results: dict, keys: dict, cost, planned: dict, options: dict, model: str, seed: int,
                   correct, accuracy) -> None:
-    """Per trace and policy, ``r["held"]``: the score of a simulator run of that trace at the prices the
-    other policies' live runs measured (module notes: held-out calibrated sim), or None without any."""
-    from bench.fidelity import calibrate, empirical_service, live_prices, sim_policy
+    """Per trace and policy, two calibrated simulator runs of that trace (module notes), each a
+    score or None without batches to calibrate on:
+
+    - ``r["own"]``: at the batch times its own live run measured (``bench.fidelity``'s
+      ``empirical_service`` of its batches, its policy planning at the prices the engine's own
+      correction held, ``live_prices``). Not a prediction: it tests the simulator's model of the
+      engine (one worker, queueing, the policy's decisions and evictions) given the live service
+      times.
+    - ``r["held"]``: predicted from the *other* policies' live runs (both traces) alone: their
+      batches' measured compute fitted as ``scale x profile + fixed`` (``affine_fit``), its
+      policy planning at the fit's prices and each batch priced by the fit x a residual + a
+      hand-off drawn from those batches (``affine_service``)."""
+    from bench.fidelity import (affine_fit, affine_prices, affine_service, calibrate, empirical_service, live_prices,
+                                sim_policy)
     from jaxserve.simulator import simulate
+
+    def scored(name, res, prices, service):
+        result = simulate(sim_policy(keys[name], planned, prices, options), res["workload"].trace, cost,
+                          instances=1, service_time=service)
+        return score(result, res["workload"], correct, accuracy=accuracy)
 
     for res in results.values():
         for name, r in res["policies"].items():
+            own = r["live"]["rec"]["computed"]
             others = [c for res2 in results.values() for n2, r2 in res2["policies"].items() if n2 != name
                       for c in r2["live"]["rec"]["computed"]]
-            if not others:
-                r["held"] = None
-                continue
-            cal = calibrate(cost, others, model)
-            prices = live_prices(cost, cal, model)
-            result = simulate(sim_policy(keys[name], planned, prices, options), res["workload"].trace, cost,
-                              instances=1, service_time=empirical_service(cost, cal, seed, model))
-            r["held"] = score(result, res["workload"], correct, accuracy=accuracy)
+            r["own"] = r["held"] = None
+            if own:
+                cal = calibrate(cost, own, model)
+                r["own"] = scored(name, res, live_prices(cost, cal, model), empirical_service(cost, cal, seed, model))
+            if others:
+                try:
+                    fit = affine_fit(cost, calibrate(cost, others, model), model)
+                except ValueError:  # the other runs priced one cell only
+                    continue
+                r["held_fit"] = fit
+                r["held"] = scored(name, res, affine_prices(cost, fit, model), affine_service(cost, fit, seed, model))
 
 
-def held_cells(r: dict) -> list[str]:
-    held, live = r.get("held"), r["live"]
-    if not held or not held["utility"]:
+def arm_cells(r: dict, arm: str) -> list[str]:
+    """The table's two cells of a calibrated arm: its utility (type 1 share) and live against it."""
+    sim, live = r.get(arm), r["live"]
+    if not sim or not sim["utility"]:
         return ["-", "-"]
-    return [f"{held['utility']:.1f} ({held['types'][1]:.1%})", f"{(live['utility'] / held['utility'] - 1) * 100:+.1f}%"]
+    return [f"{sim['utility']:.1f} ({sim['types'][1]:.1%})", f"{(live['utility'] / sim['utility'] - 1) * 100:+.1f}%"]
 
 
 def live_reading(results: dict) -> str:
@@ -424,13 +449,29 @@ def live_reading(results: dict) -> str:
             "task. The overload regime where OTAS merges tokens is reached only in simulation (section "
             f"otas-utility-sim). Live and simulated utilities agree within {max(gaps):.1%} for every policy and "
             "trace: the simulator drives the same policy objects with the same cost model, so its figures carry "
-            "over to live serving up to the HTTP overheads the cost model does not price.")
+            "over to live serving up to the HTTP overheads the cost model does not price. Per trace: "
+            + ". ".join(f"{k}: {_arm_agreements(res['policies']).lstrip('; ')}" for k, res in results.items()) + ".")
 
 
 def _live_against(policies: dict, arm: str) -> dict[str, float]:
     """Per policy, live utility against the ``arm`` simulation's ("sim" or "held"), in percent."""
     return {n: (r["live"]["utility"] / r[arm]["utility"] - 1) * 100 for n, r in policies.items()
             if r.get(arm) and r[arm]["utility"]}
+
+
+ARMS = (("sim", "live against simulated utility (bare profile)"),
+        ("own", "live against the simulation at its own measured batch times"),
+        ("held", "live against the held-out calibrated simulation"))
+
+
+def _arm_agreements(policies: dict) -> str:
+    """Live against each simulated arm, per policy, with whether all are within 10%; and the held-out
+    arm's fits (scale x profile + fixed ms, each from the other policies' runs)."""
+    out = "".join(_agreement(label, gaps) for arm, label in ARMS if (gaps := _live_against(policies, arm)))
+    fits = {n: r["held_fit"] for n, r in policies.items() if r.get("held_fit") is not None}
+    if fits:
+        out += "; held-out fits " + ", ".join(f"{n} x{f.scale:.2f} + {f.fixed * 1e3:.0f} ms" for n, f in fits.items())
+    return out
 
 
 def _agreement(label: str, gaps: dict[str, float]) -> str:
@@ -451,14 +492,12 @@ def dinov2_reading(results: dict) -> str:
         ad = o["adaptation"]
         vs = {n: (o["utility"] / r["live"]["utility"] - 1) * 100 for n, r in pol.items()
               if n != "OTAS" and r["live"]["utility"]}
-        gaps, held = _live_against(pol, "sim"), _live_against(pol, "held")
         acted = ("its gamma followed the load" if ad["adapted"] else "its gamma did NOT follow the load")
         parts.append(
             f"{kind}: OTAS used {ad['gammas_used']} gammas and {acted} (mean gamma {ad['busy_gamma']:+.1f} while the "
             f"queue stood above its median, {ad['quiet_gamma']:+.1f} below); its utility "
             + ", ".join(f"{v:+.1f}% against {n}" for n, v in vs.items())
-            + _agreement("live against simulated utility", gaps)
-            + (_agreement("live against the held-out calibrated simulation", held) if held else ""))
+            + _arm_agreements(pol))
     bursty = results.get("bursty", {}).get("policies", {})
     goal = ""
     if {"OTAS", "PetS"} <= set(bursty) and bursty["PetS"]["live"]["utility"]:
