@@ -228,64 +228,6 @@ def empirical_service(cost, cal: Calibration, seed: int, model: str = "minilm-l6
     return service_time
 
 
-@dataclass
-class AffineFit:
-    """Measured compute as an affine function of the profiled price, ``scale * profile(cell) +
-    fixed`` seconds (least squares over calibration batches), with what it leaves out per batch:
-    ``residuals`` (measured over the fit) and ``handoffs``.
-
-    Why not a ratio per batch size (``empirical_service``): on DINOv2 a batch pays a fixed ~30-40
-    ms the profile of the executable does not hold (preparing 224x224 inputs, heads, the shared
-    cores), so the measured/profiled ratio is highest at the cheapest cells. Ratios drawn from
-    runs whose cells differ (OTAS at gamma -26 against PetS at 0) then misprice a policy; the
-    affine fit transfers, since its two parameters are shared by every cell (bench/otas_live.py's
-    held-out arm)."""
-
-    scale: float
-    fixed: float
-    residuals: np.ndarray
-    handoffs: np.ndarray
-
-    def seconds(self, profiled: float) -> float:
-        return self.scale * profiled + self.fixed
-
-
-def affine_fit(cost, cal: Calibration, model: str = "minilm-l6") -> AffineFit:
-    """:class:`AffineFit` of ``cal``'s batches against ``cost``'s profile of ``model``. Needs two
-    distinct profiled prices (else the fixed part is not identifiable: ValueError)."""
-    seconds = cost.latency[model].seconds
-    profiled = np.array([seconds[c] for c in cal.cells])
-    if len(np.unique(profiled)) < 2:
-        raise ValueError("an affine fit needs batches of at least two differently priced cells")
-    measured = profiled * cal.ratios
-    (scale, fixed), *_ = np.linalg.lstsq(np.c_[profiled, np.ones_like(profiled)], measured, rcond=None)
-    return AffineFit(float(scale), float(fixed), measured / (scale * profiled + fixed), cal.handoffs.copy())
-
-
-def affine_prices(cost, fit: AffineFit, model: str = "minilm-l6"):
-    """``cost`` with every cell of ``model`` priced by the fit (what a price correction would settle
-    on where every batch ran as the fit predicts)."""
-    from jaxserve.sched.base import CostModel, LatencyProfile
-
-    latency = dict(cost.latency)
-    latency[model] = LatencyProfile(model, {c: fit.seconds(t) for c, t in cost.latency[model].seconds.items()})
-    return CostModel(latency=latency, accuracy=cost.accuracy, machine=cost.machine)
-
-
-def affine_service(cost, fit: AffineFit, seed: int, model: str = "minilm-l6"):
-    """Price a batch as the fit's seconds for its cell x a residual + a hand-off, the pair drawn
-    at random from one calibration batch."""
-    rng = np.random.default_rng(seed)
-    profile = cost.latency[model]
-    n = len(fit.residuals)
-
-    def service_time(batch):
-        k = rng.integers(n)
-        return fit.seconds(profile.latency(batch.cell)) * fit.residuals[k] + fit.handoffs[k]
-
-    return service_time
-
-
 def correlated_service(cost, cal: Calibration, seed: int, model: str = "minilm-l6"):
     """Price a batch as profile(cell) x mean ratio of its batch size x slowness + hand-off,
     with (slowness, hand-off) read from the calibration's batches *in the order they ran*, by a

@@ -5,7 +5,6 @@ both keep each batch size's mean ratio. Expectations are worked from the calibra
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from bench.fidelity import Calibration, correlated_service, empirical_service, live_prices
 from jaxserve.sched.base import Batch, Cell, CostModel, LatencyProfile
@@ -98,32 +97,3 @@ def test_as_sent_moves_each_request_to_when_it_left_the_client_with_its_own_fiel
     assert list(moved.task) == ["a", "c", "b", "d"] and list(moved.length) == [5, 7, 6, 8]
     np.testing.assert_allclose(moved.slo_s, [1.0, 3.0, 2.0, 4.0])
     np.testing.assert_allclose(moved.utility, [1.0, 1.0, 0.2, 0.2])
-
-
-def test_affine_fit_recovers_scale_and_fixed_cost_and_prices_every_cell_by_them():
-    from bench.fidelity import affine_fit, affine_prices, affine_service
-
-    # measured = 1.5 x profile + 4 ms exactly: ratios 1.9 at the 10 ms cell, 1.6333 at the 30 ms one
-    sizes = [1, 4] * 10
-    ratios = [(1.5 * p + 0.004) / p for p in (0.010, 0.030)] * 10
-    handoffs = [0.0, 0.002] * 10
-    fit = affine_fit(COST, calibration(ratios, sizes, handoffs), MODEL)
-    assert abs(fit.scale - 1.5) < 1e-9 and abs(fit.fixed - 0.004) < 1e-9
-    np.testing.assert_allclose(fit.residuals, 1.0)
-    prices = affine_prices(COST, fit, MODEL).latency[MODEL]
-    assert abs(prices.latency(Cell(1, 64)) - 0.019) < 1e-12 and abs(prices.latency(Cell(4, 64)) - 0.049) < 1e-12
-    # a batch takes the fit's seconds x a residual + the same calibration batch's hand-off
-    small = draws(affine_service(COST, fit, seed=0, model=MODEL), Cell(1, 64), 400)
-    assert set(np.round(small, 9)) == {0.019, 0.021}
-
-
-def test_affine_fit_keeps_each_batch_residual_and_needs_two_prices():
-    from bench.fidelity import affine_fit
-
-    # the 10 ms cell's batches alternate 20% above and below 2 x profile + 0; the 30 ms cell sits on it
-    ratios = [2.4, 1.6, 2.0, 2.0] * 10
-    fit = affine_fit(COST, calibration(ratios, [1, 1, 4, 4] * 10), MODEL)
-    assert abs(fit.scale - 2.0) < 1e-9 and abs(fit.fixed) < 1e-9
-    np.testing.assert_allclose(fit.residuals, [1.2, 0.8, 1.0, 1.0] * 10)
-    with pytest.raises(ValueError, match="two differently priced cells"):  # one cell cannot identify a fixed cost
-        affine_fit(COST, calibration([2.0, 3.0], [1, 1]), MODEL)
