@@ -304,7 +304,7 @@ def main() -> None:
             print(f"{kind:>9} {name:>10}: live utility {live['utility']:8.1f} type1 {live['types'][1]:.3f} "
                   f"type4 {live['types'][4]:.3f} p98 {live['p98_ms']:.0f} ms | sim utility {sim['utility']:8.1f} "
                   f"type1 {sim['types'][1]:.3f}  gammas {live['gamma_share']} {live['adaptation']}", flush=True)
-    held_out_sims(results, {names[k]: k for k in args.policies.split(",")}, cost, planned, options, args.model,
+    calibrated_sims(results, {names[k]: k for k in args.policies.split(",")}, cost, planned, options, args.model,
                   args.seed, correct, planned[args.model].accuracy if dinov2 else None)
     if args.dump:
         dump(results, cost, args.dump)
@@ -383,7 +383,7 @@ def dump(results: dict, cost, path: str) -> None:
     print(f"raw records: {path}", flush=True)
 
 
-def held_out_sims(results: dict, keys: dict, cost, planned: dict, options: dict, model: str, seed: int,
+def calibrated_sims(results: dict, keys: dict, cost, planned: dict, options: dict, model: str, seed: int,
                   correct, accuracy) -> None:
     """Per trace and policy, two calibrated simulator runs of that trace (module notes), each a
     score, or None without batches to calibrate on. Both price a batch by ``bench.fidelity``'s
@@ -414,8 +414,8 @@ def held_out_sims(results: dict, keys: dict, cost, planned: dict, options: dict,
     for kind, res in results.items():
         for name, r in res["policies"].items():
             own = r["live"]["rec"]["computed"]
-            other = [c for k2, res2 in results.items() if k2 != kind
-                     for c in res2["policies"].get(name, {}).get("live", {}).get("rec", {}).get("computed", [])]
+            other = [c for k2, res2 in results.items() if k2 != kind and name in res2["policies"]
+                     for c in res2["policies"][name]["live"]["rec"]["computed"]]
             r["own"] = scored(name, res, own) if own else None
             r["held"] = scored(name, res, other) if other else None
 
