@@ -444,7 +444,7 @@ def live_reading(results: dict) -> str:
             f"otas-utility-sim). Live and simulated utilities agree within {max(gaps):.1%} for every policy and "
             "trace: the simulator drives the same policy objects with the same cost model, so its figures carry "
             "over to live serving up to the HTTP overheads the cost model does not price. Per trace: "
-            + ". ".join(f"{k}: {_arm_agreements(res['policies']).lstrip('; ')}" for k, res in results.items()) + ".")
+            + ". ".join(f"{k}: {_arm_agreements(res['policies'])}" for k, res in results.items()) + ".")
 
 
 def _live_against(policies: dict, arm: str) -> dict[str, float]:
@@ -459,12 +459,12 @@ ARMS = (("sim", "live against simulated utility (bare profile)"),
 
 
 def _arm_agreements(policies: dict) -> str:
-    """Live against each simulated arm, per policy, with whether all are within 10%."""
-    return "".join(_agreement(label, gaps) for arm, label in ARMS if (gaps := _live_against(policies, arm)))
+    """Live against each simulated arm, per policy, with whether all are within 10%; one clause per arm."""
+    return "; ".join(_agreement(label, gaps) for arm, label in ARMS if (gaps := _live_against(policies, arm)))
 
 
 def _agreement(label: str, gaps: dict[str, float]) -> str:
-    return (f"; {label} " + ", ".join(f"{n} {v:+.1f}%" for n, v in gaps.items())
+    return (f"{label} " + ", ".join(f"{n} {v:+.1f}%" for n, v in gaps.items())
             + f" ({'within' if all(abs(v) <= 10 for v in gaps.values()) else 'not within'} 10% for every policy)")
 
 
@@ -486,7 +486,7 @@ def dinov2_reading(results: dict) -> str:
             f"{kind}: OTAS used {ad['gammas_used']} gammas and {acted} (mean gamma {ad['busy_gamma']:+.1f} while the "
             f"queue stood above its median, {ad['quiet_gamma']:+.1f} below); its utility "
             + ", ".join(f"{v:+.1f}% against {n}" for n, v in vs.items())
-            + _arm_agreements(pol))
+            + (f"; {agree}" if (agree := _arm_agreements(pol)) else ""))
     bursty = results.get("bursty", {}).get("policies", {})
     goal = ""
     if {"OTAS", "PetS"} <= set(bursty) and bursty["PetS"]["live"]["utility"]:
