@@ -657,10 +657,14 @@ def _scaling(**kw):
     lambda: dict(dispatcher=FirstFitDispatcher, max_batch=4),
     lambda: dict(dispatcher="arlo", redispatch_queued=True),
     lambda: _scaling(max_batch=2),
-], ids=["alg1", "ilb", "ig", "first-fit", "redispatch", "scaling"])
+    lambda: dict(dispatcher="arlo", shared_runtimes=True, instances=3, rate=600.0),
+    lambda: dict(dispatcher="ilb", shared_runtimes=True, instances=3, rate=600.0),
+    lambda: _scaling(shared_runtimes=True),
+], ids=["alg1", "ilb", "ig", "first-fit", "redispatch", "scaling", "groups", "groups-ilb", "groups-scaling"])
 def test_planning_only_changed_instances_runs_as_a_look_at_every_idle_one(kw):
     """Through the simulator (an IdleInstances) the policy looks only at instances that became
-    idle, were given a request or were still switching since its last plan. The same trace with
+    idle, were given a request or were still switching since its last plan (with runtime groups:
+    keeps each group's idle instances from plan to plan). The same trace with
     every plan looking at every idle instance must run identically: through reallocations that
     switch instances (``replacement_seconds``), a shift of the lengths, clients who leave, and
     scale-out and scale-in inside a pool of slots."""
