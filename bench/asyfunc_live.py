@@ -117,15 +117,17 @@ def shadow_loads(metrics: dict[str, float], blocks: set[str]) -> list[float]:
 
 
 def simulated(policy: str, body_cores: int, schedule: np.ndarray, prices: tuple[float, float, float] | None = None,
-              seed: int = 0) -> dict:
+              seed: int = 0, pol=None) -> dict:
     """The schedule through the simulator with the live server's policy (every request at the
     bucket's length, as the engine pads it). ``prices`` (scale, per-step overhead s, sigma):
     plan and run with the first two instead of the profile's (``AsyFuncPolicy.plan_with_prices``),
-    and draw each step's price with a mean-one log-normal factor of the measured sigma."""
+    and draw each step's price with a mean-one log-normal factor of the measured sigma. ``pol``:
+    a fresh policy to run instead of ``planned(policy, body_cores)`` (bench/asyfunc_pair.py's,
+    over a changed profile)."""
     from jaxserve import traces
     from jaxserve.launch import simulate_asyfunc
 
-    pol = planned(policy, body_cores)
+    pol = planned(policy, body_cores) if pol is None else pol
     noise = 0.0
     if prices is not None:
         pol.plan_with_prices(*prices[:2])

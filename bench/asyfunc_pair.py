@@ -19,6 +19,12 @@ equal and asks two things:
    planning and running at one price set (``AsyFuncPolicy.plan_with_prices``; no noise), for
    each of ``PRICES``: the violation rate, time-averaged cores and memory, split batches.
 
+3. **Where the premise would hold**: the same simulations with the 2-core profile slowed by each
+   factor of ``SLOWER_2CORE`` (every 2-core price x k, the 1-core ones as measured), so that 1 -> 2
+   cores speeds MiniLM up less than it does here; the schedules keep the measured BATCH's rate.
+   It finds how weak intra-op scaling must be before AsyFunc's 1+1 pair is worth BATCH's 2-core
+   body.
+
 Decision: the price sets are the profile's (x1, +0 ms) and the profile with the per-step
 overhead and compute scale live steps showed (asyfunc_live: 7-9 ms a step, x1.05-1.74), rounded
 to (x1, +9 ms) and (x1.5, +9 ms), the same for every policy; the live measurement per policy is
@@ -42,6 +48,7 @@ import time
 import numpy as np
 
 PRICES = ((1.0, 0.0), (1.0, 9e-3), (1.5, 9e-3))  # (compute scale, per-step overhead s): module docstring
+SLOWER_2CORE = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6)  # the 2-core profile's factors (module docstring, 3.)
 
 
 def per_batch(scale: float, overhead_s: float) -> list[dict]:
@@ -62,14 +69,31 @@ def per_batch(scale: float, overhead_s: float) -> list[dict]:
     return out
 
 
-def simulated_round(rnd: int, seconds: float, scale: float, overhead_s: float) -> dict[str, dict]:
-    """asyfunc_live's round ``rnd`` schedule through the three policies at one price set."""
+def planned_slower(policy: str, cores: int, k: float):
+    """The policy ``planned`` builds, over the layer profile with every 2-core price times ``k``."""
+    from dataclasses import replace
+
+    from bench.asyfunc_live import settings_for
+    from jaxserve.launch import make_asyfunc_policy, with_asyfunc
+
+    settings = with_asyfunc(settings_for(policy, cores))
+    extra = settings.extra["asyfunc"]
+    m = extra["model"]
+    slower = replace(m, latency={**m.latency, 2: m.latency[2].scaled(k)}, _memo={})
+    return make_asyfunc_policy(replace(settings, extra={**settings.extra, "asyfunc": {**extra, "model": slower}}), {})
+
+
+def simulated_round(rnd: int, seconds: float, scale: float, overhead_s: float,
+                    slower_2core: float = 1.0) -> dict[str, dict]:
+    """asyfunc_live's round ``rnd`` schedule through the three policies at one price set (the
+    2-core profile times ``slower_2core``; the schedule's rate from the measured profile)."""
     from bench.asyfunc_live import BASE, BURST, MEANS, POLICIES, planned, simulated
     from jaxserve import traces
 
     rate = planned("asyfunc-batch", 2).r_max()
     schedule = traces.mmpp_arrivals((BASE * rate, BURST * rate), MEANS, duration=seconds, seed=100 + rnd)
-    return {policy: simulated(policy, cores, schedule, (scale, overhead_s, 0.0), seed=rnd)
+    return {policy: simulated(policy, cores, schedule, (scale, overhead_s, 0.0), seed=rnd,
+                              pol=planned_slower(policy, cores, slower_2core) if slower_2core != 1.0 else None)
             for policy, _, cores in POLICIES}
 
 
@@ -118,12 +142,31 @@ def main() -> None:
             print(f"{price_label(scale, over)} round {rnd + 1}: " + ", ".join(
                 f"{labels[p]} {res[p]['violation']:.3f}" for p, _, _ in POLICIES), flush=True)
 
+    premise_rows, crossing = [], {}
+    speedup = per_batch(1.0, 0.0)[-1]
+    speedup = speedup["body1"] / speedup["body2"]  # 1 -> 2 cores at the grid's largest batch, as measured
+    for scale, over in PRICES[:2]:
+        for k in SLOWER_2CORE:
+            g = [simulated_round(rnd, args.seconds, scale, over, k) for rnd in range(args.rounds)]
+            gap = [r["asyfunc"]["violation"] - r["asyfunc-batch"]["violation"] for r in g]
+            med = float(np.median(gap))
+            if med <= 0 and (scale, over) not in crossing:
+                crossing[(scale, over)] = k
+            premise_rows.append([price_label(scale, over), f"×{k:g}", f"{speedup / k:.2f}×",
+                                 f"{np.median([r['asyfunc']['violation'] for r in g]):.4f}",
+                                 f"{np.median([r['asyfunc-batch']['violation'] for r in g]):.4f}",
+                                 f"{med:+.4f}", f"{sum(x > 0 for x in gap)} of {len(gap)}"])
+            print(f"2-core x{k:g} at {price_label(scale, over)}: AsyFunc minus BATCH {med:+.4f}", flush=True)
+
     body = (table(["prices (every policy)", "b", "2-core body ms", "1-core body ms",
                    "1+1 pair ms per block (best b_B)", "best pair: block (b_B + b_S)", "best pair / 2-core body",
                    "best pair / 1-core body"], batch_rows)
             + "\n\nThe live MMPP schedules through the simulator, every policy at the same prices (no noise):\n\n"
             + table(["prices (every policy)", "round", "policy", "body cores at start", "violation",
-                     "minus BATCH's", "mean cores", "mean MB", "split batches", "shadows added"], sim_rows))
+                     "minus BATCH's", "mean cores", "mean MB", "split batches", "shadows added"], sim_rows)
+            + "\n\nThe same, the 2-core profile slowed (weaker scaling from 1 to 2 cores; medians of rounds):\n\n"
+            + table(["prices (every policy)", "2-core prices", "1 -> 2 cores speed-up (b = 4)", "AsyFunc violation",
+                     "BATCH violation", "AsyFunc minus BATCH", "rounds AsyFunc worse"], premise_rows))
 
     def gap_text(scale, over, policy):
         g = gaps[(scale, over, policy)]
@@ -140,7 +183,12 @@ def main() -> None:
              "with a 2-core one); pairs at 1 + 1 cores, the only pair a 2-core node holds. Schedules: asyfunc_live's "
              f"(seeds 100 + round, {args.seconds:g} s, MMPP at 0.15x / 0.6x of BATCH's Eq.-1 rate). Median over "
              f"rounds, AsyFunc minus BATCH (a positive gap: AsyFunc violates more): " + "; ".join(sentences)
-             + f". Whole run: {time.perf_counter() - t0:.0f} s.")
+             + ". With the 2-core profile slowed: " + "; ".join(
+                 f"at {price_label(s, o)} AsyFunc's median gap reaches 0 at ×{crossing[(s, o)]:g} "
+                 f"({speedup / crossing[(s, o)]:.2f}× from 1 to 2 cores)" if (s, o) in crossing else
+                 f"at {price_label(s, o)} AsyFunc stays worse up to ×{SLOWER_2CORE[-1]:g} "
+                 f"({speedup / SLOWER_2CORE[-1]:.2f}× from 1 to 2 cores)" for s, o in PRICES[:2])
+             + f" (measured: {speedup:.2f}×). Whole run: {time.perf_counter() - t0:.0f} s.")
     print(body)
     print(notes)
     if args.write:
