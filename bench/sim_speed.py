@@ -22,6 +22,9 @@ the grid's largest; Arlo: each runtime's from the profile; ST/DT/INFaaS: 1), in 
 executable the policy runs it in (default/Arlo/INFaaS: the request's bucket; ST: the
 longest bucket; DT: its exact length x the penalty; OTAS: gamma 0), averaged over the
 lengths. The table also shows the utilisation the run reached (busy instance-seconds).
+Every cell then runs again at ``--overload`` (default 1.3) of that capacity: queues fill to
+``max_queue``, requests are evicted, and OTAS's Alg. 2 must trade batches off, so its DP runs
+where below capacity the all-best shortcut answers (those rows skip the full-DP arms).
 
 OTAS in steady state: each OTAS policy is told its run began ``initial_stage`` (2 s) before
 the trace (``OTASPolicy.start_time``), so it plans by Alg. 2 from the first plan, wherever the
@@ -167,9 +170,12 @@ def timed(setup: Setup, instances: int, trace: traces.Trace, full_dp: bool = Fal
     return result, time.perf_counter() - t0, policy
 
 
-def run_cell(setup: Setup, instances: int, args, lengths: np.ndarray | None) -> dict:
+def run_cell(setup: Setup, instances: int, args, lengths: np.ndarray | None, load: float,
+             full_dp: bool = True) -> dict:
+    """One (policy, instances) cell at ``load`` of the policy's capacity; ``full_dp``: the OTAS
+    cells' whole-DP arms too (as ``args`` asks)."""
     probe = build(setup, instances)
-    rate = args.load * instances * capacity_per_instance(setup, probe, lengths if lengths is not None else np.zeros(1))
+    rate = load * instances * capacity_per_instance(setup, probe, lengths if lengths is not None else np.zeros(1))
     pilot = make_workload(setup, rate, args.pilot, args.seed, lengths)
     _, wall, _ = timed(setup, instances, pilot)
     n = int(min(args.max_requests, max(args.pilot, args.pilot / wall * args.seconds)))
@@ -182,12 +188,13 @@ def run_cell(setup: Setup, instances: int, args, lengths: np.ndarray | None) -> 
             break
     wall = statistics.median(walls)
     s = result.summary()
-    out = dict(policy=setup.name, profile=setup.profile, instances=instances, rate=rate, requests=len(trace),
+    out = dict(policy=setup.name, profile=setup.profile, instances=instances, load=load, rate=rate,
+               requests=len(trace),
                virtual=result.span(), walls=walls, wall=wall, per_min=len(trace) / wall * 60,
                utilization=s["utilization"], batch=s["mean_batch_size"], slo=float(np.mean(result.outcome == OK)))
     if setup.name == "otas":
         out["shortcut"] = (policy.counters["dp_all_best"], policy.counters["dp_runs"])
-        if args.full_dp:
+        if args.full_dp and full_dp:
             out["full_dp"] = [full_dp_arm(setup, instances, trace, result, native=True)]
             if args.numpy_dp:
                 out["full_dp"].append(full_dp_arm(setup, instances, trace, result, native=False))
@@ -218,14 +225,15 @@ def full_dp_arm(setup: Setup, instances: int, trace: traces.Trace, reference, na
     return wall, same
 
 
-HEADER = ["policy", "profile", "instances", "rate req/s", "requests", "virtual s", "runs", "wall s (median)",
+HEADER = ["policy", "profile", "instances", "load", "rate req/s", "requests", "virtual s", "runs", "wall s (median)",
           "simulated req/min", "goal met", "utilization", "mean batch", "SLO att.",
           "Alg. 2 plans the all-best shortcut answered",
           "full DP at every plan, native; in numpy: wall s (one run), its / the median above, same result"]
 
 
 def row(r: dict) -> list[str]:
-    return [r["policy"], r["profile"], str(r["instances"]), f"{r['rate']:,.0f}", f"{r['requests']:,}",
+    return [r["policy"], r["profile"], str(r["instances"]), f"{r['load']:.2f}", f"{r['rate']:,.0f}",
+            f"{r['requests']:,}",
             f"{r['virtual']:,.1f}", str(len(r["walls"])), f"{r['wall']:.2f}", f"{r['per_min']:,.0f}",
             "yes" if r["per_min"] >= GOAL_PER_MIN else "**no**", f"{r['utilization']:.2f}", f"{r['batch']:.1f}",
             f"{r['slo']:.3f}", shortcut_cell(r), full_dp_cell(r)]
@@ -252,6 +260,8 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, of " + ", ".join(POLICIES))
     parser.add_argument("--instances", default=",".join(map(str, INSTANCES)))
     parser.add_argument("--load", type=float, default=0.7, help="offered load, a fraction of the policy's capacity")
+    parser.add_argument("--overload", type=float, default=1.3,
+                        help="every cell again at this load, without the full-DP arms (0: not)")
     parser.add_argument("--seconds", type=float, default=5.0, help="target wall time of one run of a cell")
     parser.add_argument("--repeats", type=int, default=3, help="runs per cell (the median is reported)")
     parser.add_argument("--pilot", type=int, default=5000, help="requests of the run that sizes a cell")
@@ -277,23 +287,28 @@ def main() -> None:
         grid = simulated_models(load_cost_model(TEXT_PROFILE), TEXT_MODEL)[TEXT_MODEL].grid
         lengths = np.minimum(tweet_token_lengths(), grid.max_length)
     setups = {p: otas_setup() if p == "otas" else text_setup(p) for p in policies}
-    print(f"offered load {args.load:.2f} of each policy's capacity; one run ~{args.seconds:g} s, "
+    print(f"offered load {args.load:.2f}" + (f", then {args.overload:.2f}," if args.overload > 0 else "")
+          + f" of each policy's capacity; one run ~{args.seconds:g} s, "
           f"median of up to {args.repeats}\n")
     print("| " + " | ".join(HEADER) + " |", flush=True)
     rows = []
     t_all = time.perf_counter()
-    for p in policies:
-        for n in counts:
-            r = run_cell(setups[p], n, args, lengths)
-            rows.append(r)
-            print("| " + " | ".join(row(r)) + " |", flush=True)
+    loads = [(args.load, True)] + ([(args.overload, False)] if args.overload > 0 else [])
+    for load, full in loads:
+        for p in policies:
+            for n in counts:
+                r = run_cell(setups[p], n, args, lengths, load, full)
+                rows.append(r)
+                print("| " + " | ".join(row(r)) + " |", flush=True)
     elapsed = time.perf_counter() - t_all
     text = table(HEADER, [row(r) for r in rows])
-    missed = [f"{r['policy']} at {r['instances']}" for r in rows if r["per_min"] < GOAL_PER_MIN]
+    missed = [f"{r['policy']} at {r['instances']} (load {r['load']:.2f})" for r in rows if r["per_min"] < GOAL_PER_MIN]
     notes = (
         f"Goal: ≥ {GOAL_PER_MIN:,} simulated requests per minute of wall time for every policy and instance count "
         f"({'met everywhere' if not missed else 'missed by ' + ', '.join(missed)}). Offered load {args.load:.2f} of "
-        "each policy's own capacity (batch size and executable as it runs each request: see the script's docstring), "
+        "each policy's own capacity (batch size and executable as it runs each request: see the script's docstring)"
+        + (f", and every cell again at {args.overload:.2f} (overload: queues fill, requests are evicted, and OTAS's "
+           "Alg. 2 must trade batches off; without the full-DP arms)" if args.overload > 0 else "") + ", "
         "Poisson arrivals. Text policies: the MiniLM-L6 serve profile, real tweet lengths, the paper-scaled Arlo SLO "
         f"({text_setup('default').slo_ms:.0f} ms), max_wait 0, max_queue 256 per instance. OTAS: the demo ViT's "
         "profile scaled to 580 req/s at gamma 0, Table II's query types, in steady state: each OTAS policy is told "
