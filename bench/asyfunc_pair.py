@@ -70,7 +70,8 @@ def per_batch(scale: float, overhead_s: float) -> list[dict]:
 
 
 def planned_slower(policy: str, cores: int, k: float):
-    """The policy ``planned`` builds, over the layer profile with every 2-core price times ``k``."""
+    """The policy ``planned`` builds, over the layer profile with every 2-core price times ``k``
+    (``k = 1``: the same prices, to the bit)."""
     from dataclasses import replace
 
     from bench.asyfunc_live import settings_for
@@ -93,7 +94,7 @@ def simulated_round(rnd: int, seconds: float, scale: float, overhead_s: float,
     rate = planned("asyfunc-batch", 2).r_max()
     schedule = traces.mmpp_arrivals((BASE * rate, BURST * rate), MEANS, duration=seconds, seed=100 + rnd)
     return {policy: simulated(policy, cores, schedule, (scale, overhead_s, 0.0), seed=rnd,
-                              pol=planned_slower(policy, cores, slower_2core) if slower_2core != 1.0 else None)
+                              pol=planned_slower(policy, cores, slower_2core))
             for policy, _, cores in POLICIES}
 
 
