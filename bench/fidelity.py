@@ -280,12 +280,34 @@ class TextWorkload:
         return asyncio.run(open_loop(url, trace.arrival, [self.pool[i] for i in pick], None)), {}
 
 
+IMAGE_UTILITY = (1.0, 0.2)  # a tight request's utility, a loose one's
+
+
+def image_trace(model: str, tasks: tuple[str, ...], images_per_task: int, slo_s: tuple[float, float],
+                rate: float, seed: int, duration: float):
+    """The image workload's trace and its replay record (``bench.otas_utility.Workload``):
+    Poisson at ``rate`` for ``duration`` s, each request of a task drawn uniformly, tight
+    (``slo_s[0]``) or loose (``slo_s[1]``) with equal odds, and one of its task's first
+    ``images_per_task`` images."""
+    from bench.otas_utility import Workload
+
+    arr = traces.poisson_arrivals(rate, duration=duration, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    n = len(arr)
+    cls = rng.integers(0, 2, n)
+    task = np.array(tasks)[rng.integers(0, len(tasks), n)]
+    image = rng.integers(0, images_per_task, n)
+    trace = traces.make_trace(arr, model=model, task=task, slo_s=np.array(slo_s)[cls],
+                              utility=np.array(IMAGE_UTILITY)[cls])
+    return trace, Workload(trace, image, cls)
+
+
 class ImageWorkload:
     """The model's tasks' held-out images (``bench.otas_live.pngs_by_task``: 224x224 RGB PNGs for
     DINOv2), Poisson at a given rate, each request tight (SLO ``slo_s[0]``, utility 1) or loose
-    (``slo_s[1]``, utility 0.2), replayed by ``bench.otas_live.replay``."""
+    (``slo_s[1]``, utility 0.2), replayed by ``bench.otas_live.replay`` (:func:`image_trace`)."""
 
-    UTILITY = (1.0, 0.2)
+    UTILITY = IMAGE_UTILITY
 
     def __init__(self, model: str, image_size: int, slo_s: tuple[float, float], duration: float):
         from bench.otas_live import pngs_by_task
@@ -296,17 +318,8 @@ class ImageWorkload:
         self.tasks = tuple(self.images)
 
     def trace(self, rate: float, seed: int, duration: float | None = None):
-        from bench.otas_utility import Workload
-
-        arr = traces.poisson_arrivals(rate, duration=duration or self.duration, seed=seed)
-        rng = np.random.default_rng(seed + 1)
-        n = len(arr)
-        cls = rng.integers(0, 2, n)
-        task = np.array(self.tasks)[rng.integers(0, len(self.tasks), n)]
-        image = rng.integers(0, min(len(v[0]) for v in self.images.values()), n)
-        trace = traces.make_trace(arr, model=self.model, task=task, slo_s=np.array(self.slo_s)[cls],
-                                  utility=np.array(self.UTILITY)[cls])
-        return trace, Workload(trace, image, cls)
+        return image_trace(self.model, self.tasks, min(len(v[0]) for v in self.images.values()), self.slo_s, rate,
+                           seed, duration or self.duration)
 
     def live(self, url: str, trace, workload) -> tuple[LoadResult, dict]:
         from bench.otas_live import replay
