@@ -401,7 +401,11 @@ def _fidelity_goal(f):
 
 def _fidelity_sensitivity(s):
     col = "service error that moves mean or p98 by 10%"
-    return ("a service-time error of " + ", ".join(f"{r[col]} at {r['load']}" for r in s.table(col))
+    by: dict[str, list[str]] = {}
+    for r in s.table(col):
+        by.setdefault(f"{r['policy']} ({r['model']})" if "model" in r else r["policy"], []).append(
+            f"{r[col]} at {r['load']}")
+    return ("a service-time error of " + "; ".join(f"{k}: {', '.join(v)}" for k, v in by.items())
             + " load alone moves the simulated mean or p98 by 10%")
 
 
@@ -731,8 +735,8 @@ ROWS: list[Row] = [
         "vs keeping them (ablation), CPU", ("abandon",), _abandon),
     Row("simulator vs live engine at 30 / 70 / 90% load × default, Arlo, OTAS (DINOv2) policies: mean / p98",
         ("fidelity",), _fidelity, _fidelity_goal),
-    Row("simulator fidelity: how precisely the 10% goal needs each cell's service time (MiniLM, default policy, "
-        "simulated at fidelity's loads)", ("fidelity_sensitivity",), _fidelity_sensitivity, "reported"),
+    Row("simulator fidelity: how precisely the 10% goal needs each cell's service time (default on MiniLM, OTAS "
+        "on DINOv2, simulated at fidelity's loads)", ("fidelity_sensitivity",), _fidelity_sensitivity, "reported"),
     Row("the same at 2× overload with clients that leave after 1 s (`bench/abandon.py`): answers in time, "
         "calibrated on one arm, predicting the others", ("abandon",), _abandon_sim, "within 10%"),
     Row("simulator speed", ("sim_speed",), _sim_speed, _sim_speed_goal),
