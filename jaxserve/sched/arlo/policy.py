@@ -233,11 +233,10 @@ class ArloPolicy(Policy):
         self._waiting: set[int] = set()
         # runtime groups, the same look: each level's idle active instances in increasing order as the
         # last plan left them, valid while _layout (bumped when an instance is added, removed or moved)
-        # is the one they were built at; and the instances that may still be switching (ready_at > now)
+        # is the one they were built at
         self._group_idle: dict[int, list[int]] | None = None
         self._layout = 0
         self._group_layout = -1
-        self._switching: set[int] = set()
         self._ready_at: dict[int, float] = {}
         self._running: dict[int, int] = {}  # request id -> instance
         self._arrival: dict[int, float] = {}
@@ -433,10 +432,10 @@ class ArloPolicy(Policy):
         queues, ready_at = self._queues, self._ready_at
         idle: dict[int, list[int]] = {}
         wake = _INF
-        switching = self._switching
-        if switching:  # done switching, or removed
-            switching.difference_update([i for i in switching if ready_at.get(i, -_INF) <= now])
         if kept is not None:
+            # still switching (ready_at > now): the instances charged for a switch, since plan's _tick
+            # released every charge whose switch is done
+            switching = self._charged.keys()
             for level, members in members_of.items():
                 group = kept.get(level)
                 if not members or not group:
@@ -703,7 +702,6 @@ class ArloPolicy(Policy):
             displaced.extend(queue)
             queue.clear()
             self._ready_at[mv.instance] = now + self.replacement_seconds
-            self._switching.add(mv.instance)
         self._layout += 1
         if self.redispatch_queued:  # every queued request may now have a better instance (class docstring)
             for inst, queue in self._queues.items():
