@@ -30,13 +30,17 @@ from pathlib import Path
 
 from bench.common import ROOT, declared_scripts
 
-# Scripts whose order matters, in the order they run (producers of profiles and cost models
-# first); a script that declares sections and is missing here runs after these, by name.
+# Scripts whose order matters, in the order they run; a script that declares sections and is
+# missing here runs after these, by name. A script that PRODUCES a file runs before every script
+# whose MEASURES name it (tests/unit/test_bench_harness.py checks): sim_knee's cost model (it
+# copies the one the load and fidelity servers profiled into compiled_cache) before sim_speed,
+# arlo_short and fidelity_sensitivity; otas_profile's before the OTAS runs; workers' Ray hop
+# before QUART's.
 ORDER = (
-    "sim_speed", "arlo_solver", "arlo_sim", "arlo_short",
+    "arlo_solver", "arlo_sim",
     "polymorph", "tuning", "coldstart", "stages", "workers", "peer",
     "otas_profile", "otas_throughput", "otas_accuracy", "otas_utility", "otas_live",
-    "tabi_sim", "load", "fidelity", "sim_knee", "abandon", "arlo_live", "tabi_live",
+    "tabi_sim", "load", "fidelity", "sim_knee", "sim_speed", "arlo_short", "abandon", "arlo_live", "tabi_live",
 )
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 # read by bench.all, bench.status and bench.headline without importing this module).
 MEASURES = (
     "bench/arlo_short.py", "bench/arlo_live.py", "bench/load.py",
-    "jaxserve/profiles/minilm-l6-staircase.json", "jaxserve/sched", "jaxserve/simulator.py",
+    "jaxserve/profiles/minilm-l6-staircase.json", "bench/results/sim_knee-cost_model.json", "jaxserve/sched", "jaxserve/simulator.py",
     "jaxserve/traces.py", "jaxserve/launch.py", "jaxserve/profiler.py",
 )
 SECTIONS = {

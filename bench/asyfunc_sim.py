@@ -38,10 +38,12 @@ from __future__ import annotations
 
 # What its numbers measure and the runs that write its sections (bench/common.py: declarations).
 MEASURES = (
-    "bench/asyfunc_sim.py", "jaxserve/layer_profile.py", "jaxserve/sched/asyfunc.py", "jaxserve/simulator.py",
+    "bench/asyfunc_sim.py", "bench/profiles/asyfunc-cost.json", "bench/profiles/asyfunc-cost.layers.json",
+    "jaxserve/layer_profile.py", "jaxserve/sched/asyfunc.py", "jaxserve/simulator.py",
     "jaxserve/launch.py", "jaxserve/sched/base.py",
 )
 SECTIONS = {"asyfunc_sim": "--write"}
+PRODUCES = ("bench/results/asyfunc_sim.json",)  # every simulated run's figures, for a reader
 
 import argparse
 import json

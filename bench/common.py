@@ -14,7 +14,11 @@ Each script declares, at module level and as literals (read with ``ast`` by
 - ``SECTIONS``: ``{key: "arguments"}``, the CPU sections it writes and the arguments of the
   run that writes each (``python -m bench.all`` runs them: ``make bench``);
 - optionally ``GPU_SECTIONS``: the same for sections measured on a GPU host (never run by
-  ``bench.all``; they keep their own stamp, and their titles say "GPU").
+  ``bench.all``; they keep their own stamp, and their titles say "GPU");
+- optionally ``PRODUCES``: the committed files its runs write (a cost model or a profile that
+  other runs read, raw results). ``bench.all`` runs a producer before every script whose ``MEASURES``
+  names one of them, and a consumer's stamp lists the uncommitted contents it read
+  (:func:`stamp`), so one run of them all leaves nothing stale once its outputs are committed.
 
 Quick runs (``--quick``: the same code path on tiny sizes, a smoke test) never touch the real
 RESULTS.md: when the command line holds ``--quick`` every output of this module (RESULTS,
@@ -139,6 +143,23 @@ def commit_stamp(measures: tuple[str, ...] | list[str] = ()) -> str:
     return head + (" +uncommitted" if dirty else "")
 
 
+def uncommitted_blobs(measures: tuple[str, ...] | list[str] = ()) -> dict[str, str]:
+    """``{path: git blob hash}`` of each of ``measures``' tracked files that differs from HEAD in
+    the working tree ("-" for one deleted): what a ``+uncommitted`` run measured. Mostly the
+    inputs an earlier run of the same ``make bench`` wrote (a cost model, a profile) before they
+    were committed; ``python -m bench.status`` calls the section fresh once a commit holds exactly
+    these contents (:func:`stamp`'s ``*Uncommitted:*`` line). {} outside git or when
+    ``$JAXSERVE_BENCH_COMMIT`` names the commit."""
+    if os.environ.get("JAXSERVE_BENCH_COMMIT") or not git("rev-parse", "HEAD"):
+        return {}
+    names = git("diff", "--name-only", "HEAD", "--", *measures) if measures else git("diff", "--name-only", "HEAD")
+    out = {}
+    for name in names.splitlines():
+        path = ROOT / name
+        out[name] = git("hash-object", "--", name) if path.exists() else "-"
+    return out
+
+
 def invocation() -> list[str]:
     """argv as a user would retype it from the repository root: ``-m bench.x`` for a script here."""
     script = Path(sys.argv[0]).resolve()
@@ -161,11 +182,16 @@ def _script_measures() -> tuple[str, ...]:
 def stamp(machine_text: str | None = None, command_text: str | None = None,
           measures: tuple[str, ...] | None = None) -> str:
     """The stamp every RESULTS.md section carries, as markdown lines: commit (of the files the
-    running script declares in ``MEASURES``), machine, jax/jaxlib versions, date (UTC) and the
-    exact command; plus :data:`QUICK_MARK` on a ``--quick`` run."""
+    running script declares in ``MEASURES``; with ``*Uncommitted:* path@blob, ...`` after it when
+    some of them differ from HEAD: :func:`uncommitted_blobs`), machine, jax/jaxlib versions, date
+    (UTC) and the exact command; plus :data:`QUICK_MARK` on a ``--quick`` run."""
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"*Commit:* {commit_stamp(_script_measures() if measures is None else measures)}",
-             f"*Machine:* {machine_text or machine()}",
+    measures = _script_measures() if measures is None else measures
+    lines = [f"*Commit:* {commit_stamp(measures)}"]
+    dirty = uncommitted_blobs(measures) if lines[0].endswith("+uncommitted") else {}
+    if dirty:
+        lines.append("*Uncommitted:* " + ", ".join(f"{p}@{h}" for p, h in sorted(dirty.items())))
+    lines += [f"*Machine:* {machine_text or machine()}",
              f"*Versions:* {versions()}",
              f"*Date:* {date}",
              f"*Command:* `{command_text or command()}`"]
@@ -269,7 +295,7 @@ def declarations(script: str | Path) -> dict:
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
-                if isinstance(t, ast.Name) and t.id in ("MEASURES", "SECTIONS", "GPU_SECTIONS"):
+                if isinstance(t, ast.Name) and t.id in ("MEASURES", "SECTIONS", "GPU_SECTIONS", "PRODUCES"):
                     try:
                         out[t.id] = ast.literal_eval(node.value)
                     except ValueError as exc:

@@ -29,6 +29,7 @@ MEASURES = (
     "jaxserve/compile_cache.py", "jaxserve/runtime.py",
 )
 SECTIONS = {"otas-cost-model": "--write", "otas-cost-model-dinov2-s14": "--model dinov2-s14 --write"}
+PRODUCES = ("bench/otas_cost_vit-demo.json", "bench/otas_cost_dinov2-s14.json")  # the OTAS policies' cost models
 
 import argparse
 from pathlib import Path

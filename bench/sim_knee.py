@@ -27,6 +27,7 @@ MEASURES = (
     "jaxserve/sched/base.py", "jaxserve/traces.py",
 )
 SECTIONS = {"sim_knee": "--write"}
+PRODUCES = ("bench/results/sim_knee-cost_model.json",)  # the cost model it ran on, for later runs
 
 import argparse
 import hashlib

@@ -9,7 +9,11 @@ declares the files its numbers measure (``MEASURES``, bench/common.py). A sectio
   the stamp does not say ``+uncommitted``;
 - ``stale``: a measured file changed in a commit its stamped commit lacks (or the stamp says
   ``+uncommitted``: the numbers measured edits no commit held when they ran). The detail names
-  the changed files;
+  the changed files. A ``+uncommitted`` stamp that lists what its run measured
+  (``*Uncommitted:* path@blob``: inputs an earlier run of the same ``make bench`` wrote, such
+  as a cost model) is judged as of the commits that committed exactly those contents (see
+  :func:`_judge`), so one ``make bench`` whose outputs are then committed leaves no section
+  stale;
 - ``fresh (waived)``: every such commit is named in one of the section's own
   ``*Unaffected by:* <commit> — <why>`` lines, a hand-written claim that the commit changes
   nothing the section measured (a rename, a path its runs never take). The claim names
@@ -71,6 +75,17 @@ class Section:
         return "+uncommitted" in self.fields.get("Commit", "")
 
     @property
+    def measured_blobs(self) -> dict[str, str]:
+        """``{path: blob}`` from the stamp's ``*Uncommitted:*`` line: the uncommitted contents of
+        measured files the run read (bench.common.uncommitted_blobs); {} for none."""
+        out = {}
+        for item in self.fields.get("Uncommitted", "").split(", "):
+            path, _, blob = item.strip().rpartition("@")
+            if path and blob:
+                out[path] = blob
+        return out
+
+    @property
     def machine(self) -> str:
         """The stamp's machine, short: the GPU's name for a GPU run, else the CPU and cores."""
         m = self.fields.get("Machine") or self.fields.get("machine", "")
@@ -100,7 +115,7 @@ def parse_sections(text: str) -> list[Section]:
         title = next((ln[3:].strip() for ln in body.splitlines() if ln.startswith("## ")), "")
         fields = {}
         for ln in body.splitlines()[:16]:
-            s = re.match(r"^\*(Commit|Machine|Versions|Date|Command):\* (.*?)\s*$", ln)
+            s = re.match(r"^\*(Commit|Uncommitted|Machine|Versions|Date|Command):\* (.*?)\s*$", ln)
             if s:
                 fields[s.group(1)] = s.group(2).strip("`")
             s = re.match(r"^- (command|date|machine): (.*)$", ln)
@@ -165,15 +180,51 @@ def _changed_since(commit: str, measures) -> list[str]:
 _WAIVER = re.compile(r"^\*Unaffected by:\* ([0-9a-f]{7,40})\b", re.M)
 
 
-def _waived(s: "Section", measures) -> list[str]:
-    """The commits after ``s``'s stamp that changed its measured files, if every one of them is
-    waived by the section's ``*Unaffected by:*`` lines; else []."""
+def _commits_since(commit: str, measures) -> dict[str, set[str]]:
+    """``{commit: the measured files it changed}`` for the commits after ``commit`` (to HEAD)."""
+    out, cur = {}, None
+    for ln in git("log", "--format=%H", "--name-only", f"{commit}..HEAD", "--", *measures).splitlines():
+        if re.fullmatch(r"[0-9a-f]{40}", ln):
+            cur = out.setdefault(ln, set())
+        elif ln.strip() and cur is not None:
+            cur.add(ln.strip())
+    return out
+
+
+def _judge(s: "Section", measures, last: str, head: str) -> tuple[str, str]:
+    """``(state, detail)`` of a stamped section whose commit this clone has (the module docstring).
+
+    A ``+uncommitted`` run that lists what it measured (``*Uncommitted:*``, bench.common.stamp) is
+    judged as of the commits that committed those contents: when HEAD holds every listed file as
+    measured, the commits after the stamp that changed only listed files are accounted for (an
+    earlier run of the same ``make bench`` wrote them: a cost model, a profile), and the section
+    is judged by the other commits alone. A listed file that HEAD holds otherwise, or a
+    ``+uncommitted`` stamp without the list, is stale."""
+    commits = _commits_since(s.commit, measures) if last and not _contains(s.commit, last) else {}
+    accounted = []
     if s.uncommitted:
-        return []
-    commits = git("log", "--format=%H", f"{s.commit}..HEAD", "--", *measures).split()
+        blobs = s.measured_blobs
+        if not blobs:
+            return "stale", "measured uncommitted edits of its files"
+        for path, blob in sorted(blobs.items()):
+            if (git("rev-parse", f"HEAD:{path}") or "-") != blob:
+                return "stale", f"measured an uncommitted {path} that HEAD holds otherwise"
+        accounted = [c for c, files in commits.items() if files <= set(blobs)]
+        if any(path not in set().union(*commits.values()) for path in blobs):
+            return "stale", "measured uncommitted edits that no later commit holds"
+    others = [c for c in commits if c not in accounted]
     named = _WAIVER.findall(s.text)
-    ok = commits and all(any(c.startswith(n) for n in named) for c in commits)
-    return commits if ok else []
+    note = (f"; its uncommitted inputs ({', '.join(sorted(s.measured_blobs))}) committed as measured in "
+            + ", ".join(_short(c) for c in accounted)) if accounted else ""
+    if not others:
+        behind = "" if s.commit == head else f" (HEAD is {_short(head)}; no measured file changed since)"
+        return "fresh", ("up to date" + note) if note else ("up to date" + behind)
+    if all(any(c.startswith(n) for n in named) for c in others):
+        return "fresh", ("up to date but for " + ", ".join(_short(c) for c in others)
+                         + ", waived in the section (*Unaffected by:*)" + note)
+    changed = sorted(set().union(*(commits[c] for c in others)))
+    return "stale", ("changed since: " + ", ".join(changed[:4])
+                     + (f" (+{len(changed) - 4})" if len(changed) > 4 else "") + note)
 
 
 def _recorded_in(results: Path, line: int) -> str:
@@ -225,23 +276,8 @@ def status(results: Path = CANONICAL_RESULTS, infer: bool | None = None) -> list
             out.append(Status(state="unknown", stamped=_short(s.commit), last_change=_short(last),
                               detail=f"commit {s.commit} is not in this clone", **common))
             continue
-        waived = _waived(s, d["measures"]) if last and not _contains(s.commit, last) else None
-        if waived:
-            out.append(Status(state="fresh", stamped=_short(s.commit), last_change=_short(last),
-                              detail="up to date but for " + ", ".join(_short(c) for c in waived)
-                              + ", waived in the section (*Unaffected by:*)", **common))
-        elif last and not _contains(s.commit, last):
-            changed = _changed_since(s.commit, d["measures"])
-            out.append(Status(state="stale", stamped=_short(s.commit), last_change=_short(last),
-                              detail="changed since: " + ", ".join(changed[:4])
-                              + (f" (+{len(changed) - 4})" if len(changed) > 4 else ""), **common))
-        elif s.uncommitted:
-            out.append(Status(state="stale", stamped=_short(s.commit), last_change=_short(last),
-                              detail="measured uncommitted edits of its files", **common))
-        else:
-            behind = "" if s.commit == head else f" (HEAD is {_short(head)}; no measured file changed since)"
-            out.append(Status(state="fresh", stamped=_short(s.commit), last_change=_short(last),
-                              detail="up to date" + behind, **common))
+        state, detail = _judge(s, d["measures"], last, head)
+        out.append(Status(state=state, stamped=_short(s.commit), last_change=_short(last), detail=detail, **common))
     for row, s in zip(out, sections, strict=True):
         row.review = next((ln.strip() for ln in s.text.splitlines() if ln.startswith(CARRIED_MARK)), "")
     return out

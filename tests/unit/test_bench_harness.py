@@ -74,6 +74,50 @@ def test_driver_runs_every_declared_cpu_section_once_in_order():
     assert scripts[:len(ordered)] == ordered                        # the rest after, by name
 
 
+def _json_inputs(script: Path) -> set[str]:
+    """The committed .json files a bench script names (by path or by file name) under bench/,
+    bench/results, bench/profiles or jaxserve/profiles."""
+    out = set()
+    for lit in set(re.findall(r'"([A-Za-z0-9_./-]*\.json)"', script.read_text())):
+        for d in ("", "bench", "bench/results", "bench/profiles", "jaxserve/profiles"):
+            rel = lit if not d else f"{d}/{Path(lit).name}"
+            if (ROOT / rel).is_file() and common.git("ls-files", "--", rel) == rel:
+                out.add(rel)
+    return out
+
+
+def _covers(paths, f: str) -> bool:
+    return any(f == p or f.startswith(p.rstrip("/") + "/") for p in paths)
+
+
+def test_every_committed_input_a_script_reads_is_measured_or_produced_by_it():
+    """A cost model or profile a section's numbers depend on is in its MEASURES, so rewriting it
+    makes the section stale (arlo_short read sim_knee's cost model without declaring it: its
+    table described a cost model two re-profiles old while bench.status called it fresh)."""
+    decl = common.declared_scripts()
+    assert any(_json_inputs(ROOT / "bench" / f"{n}.py") for n in decl)  # the scan finds inputs at all
+    for name, d in decl.items():
+        declared = (*d.get("MEASURES", ()), *d.get("PRODUCES", ()))
+        for f in sorted(_json_inputs(ROOT / "bench" / f"{name}.py")):
+            assert _covers(declared, f), f"bench/{name}.py reads {f} but neither MEASURES nor PRODUCES names it"
+
+
+def test_bench_all_runs_each_producer_before_the_scripts_that_measure_its_output():
+    decl = common.declared_scripts()
+    first = {}
+    for i, (name, _, _) in enumerate(bench_all.plan()):
+        first.setdefault(name, i)
+    pairs = 0
+    for producer, d in decl.items():
+        for f in d.get("PRODUCES", ()):
+            assert (ROOT / f).is_file(), f"bench/{producer}.py PRODUCES {f}, which does not exist"
+            for consumer, c in decl.items():
+                if consumer != producer and consumer in first and _covers(c.get("MEASURES", ()), f):
+                    pairs += 1
+                    assert first[producer] < first[consumer], f"{consumer} reads {f} but runs before {producer}"
+    assert pairs >= 3  # sim_knee's cost model, otas_profile's, workers' Ray hop: each has readers
+
+
 def test_every_results_section_is_declared_and_gpu_titles_say_gpu():
     decl = status.declared()
     for s in status.parse_sections(RESULTS.read_text()):
@@ -385,3 +429,69 @@ def test_headline_reads_no_figure_out_of_a_carried_reading(tmp_path):
     with pytest.raises(headline.NotFound):
         seen.rx(r"Speed-up ([\d.]+)x")
     assert [r["x"] for r in seen.table("x")] == ["2"]
+
+
+# ------------------------------------------------ inputs an earlier run of the same make bench wrote
+
+def test_a_stamp_lists_the_uncommitted_contents_it_measured():
+    path = ROOT / "compiled_cache" / "README.md"
+    if common.git("ls-files", "--", "compiled_cache/README.md") != "compiled_cache/README.md":
+        pytest.skip("compiled_cache/README.md is not tracked here")
+    before = path.read_bytes()
+    try:
+        assert "*Uncommitted:*" not in common.stamp(measures=("compiled_cache/README.md",))
+        path.write_bytes(before + b"\nan input a run wrote\n")
+        blob = common.git("hash-object", "--", "compiled_cache/README.md")
+        text = common.stamp(measures=("compiled_cache/README.md",))
+    finally:
+        path.write_bytes(before)
+    (sec,) = status.parse_sections(f"<!-- bench:k -->\n## K\n\n{text}\n<!-- /bench:k -->")
+    assert sec.uncommitted and sec.measured_blobs == {"compiled_cache/README.md": blob}
+    assert len(blob) == 40 and blob != common.git("rev-parse", "HEAD:compiled_cache/README.md")
+
+
+def _input_history():
+    """A tracked file ``f`` with an earlier commit, its last change ``last``, the commit before it
+    ``x``, and another file ``g`` changed after ``x`` by commits that never touch ``f``."""
+    f = "bench/results/sim_knee-cost_model.json"
+    last = common.git("log", "-1", "--format=%H", "--", f)
+    x = common.git("rev-parse", f"{last}^") if last else ""
+    if not x:
+        pytest.skip("no history for the input file")
+    g = "bench/status.py"
+    others = common.git("log", "--format=%H", f"{x}..HEAD", "--", g).split()
+    if not others or any(f in common.git("show", "--name-only", "--format=", c).split() for c in others):
+        pytest.skip("needs a later change to another file")
+    return f, last, x, g, others
+
+
+@needs_git
+def test_status_judges_a_run_on_uncommitted_inputs_by_the_commit_that_committed_them(tmp_path, monkeypatch):
+    f, last, x, g, others = _input_history()
+    blob = common.git("rev-parse", f"HEAD:{f}")
+
+    def judged(measures, uncommitted: str | None, waive: list[str] = ()) -> status.Status:
+        monkeypatch.setattr(status, "declared", lambda: {"k": {"script": "bench.k", "measures": measures,
+                                                                  "gpu": False, "args": ""}})
+        stamp = f"*Commit:* {x}" + (" +uncommitted  \n" if uncommitted is not None else "  \n")
+        if uncommitted:
+            stamp += f"*Uncommitted:* {uncommitted}  \n"
+        stamp += "*Date:* 2026-01-01 00:00 UTC\n\n" + "".join(f"*Unaffected by:* {c[:9]} — why  \n" for c in waive)
+        path = tmp_path / "R.md"
+        path.write_text(f"<!-- bench:k -->\n## K\n\n{stamp}\n| a |\n|---|\n| 1 |\n<!-- /bench:k -->\n")
+        (row,) = status.status(path)
+        return row
+
+    # the run read f as HEAD now holds it, written before `last` committed it: fresh
+    row = judged((f,), f"{f}@{blob}")
+    assert row.state == "fresh" and last[:9] in row.detail and f in row.detail
+    # without the input's contents listed, or with other contents, it is stale
+    assert judged((f,), "").state == "stale"
+    row = judged((f,), f"{f}@{'0' * 40}")
+    assert row.state == "stale" and "holds otherwise" in row.detail
+    assert judged((f,), None).state == "stale"                    # a clean run at x: f changed since
+    # another measured file changed after x: stale, naming it, unless those commits are waived
+    row = judged((f, g), f"{f}@{blob}")
+    assert row.state == "stale" and g in row.detail and f not in row.detail.split(";")[0]
+    row = judged((f, g), f"{f}@{blob}", waive=others)
+    assert row.state == "fresh" and "waived" in row.detail
