@@ -219,10 +219,11 @@ def _judge(s: "Section", measures, last: str, head: str) -> tuple[str, str]:
     if not others:
         behind = "" if s.commit == head else f" (HEAD is {_short(head)}; no measured file changed since)"
         return "fresh", ("up to date" + note) if note else ("up to date" + behind)
-    if all(any(c.startswith(n) for n in named) for c in others):
+    unwaived = [c for c in others if not any(c.startswith(n) for n in named)]
+    if not unwaived:
         return "fresh", ("up to date but for " + ", ".join(_short(c) for c in others)
                          + ", waived in the section (*Unaffected by:*)" + note)
-    changed = sorted(set().union(*(commits[c] for c in others)))
+    changed = sorted(set().union(*(commits[c] for c in unwaived)))
     return "stale", ("changed since: " + ", ".join(changed[:4])
                      + (f" (+{len(changed) - 4})" if len(changed) > 4 else "") + note)
 
