@@ -185,10 +185,59 @@ def record(key: str, title: str, body: str, notes: str = "") -> None:
     splice(section(key, title, body, notes))
 
 
+# A hand-written reading: a paragraph that starts with READING_MARK, after the generated text,
+# running to the section's end (what a session appends after a run).
+READING_MARK = "**Reading (hand-written"
+# The line that heads a hand-written reading a rerun carried over (see carried_reading).
+CARRIED_MARK = "*Carried over:*"
+
+
+def carried_reading(old_section: str, new_section: str) -> str:
+    """What of ``old_section``'s hand-written reading a rerun's ``new_section`` must carry; ''
+    when there is none, or when ``new_section`` already holds it.
+
+    The reading is the section's tail from its first ``**Reading (hand-written`` paragraph (or
+    the ``*Carried over:*`` line heading it) to the closing marker. It was written about the old
+    run's numbers, so it goes over under a ``*Carried over:*`` line naming that run's commit and
+    date; ``python -m bench.status`` lists such sections for review, and ``bench.headline`` reads
+    no figure out of a carried reading. A reading carried before keeps its first line (it names
+    the run the reading was written for, not the run it was last carried from). The old
+    section's ``*Unaffected by:*`` waivers are not carried: they vouched for the old stamp."""
+    body = old_section.rsplit("<!-- /bench:", 1)[0].rstrip().splitlines()
+    start = next((i for i, ln in enumerate(body) if ln.startswith(READING_MARK)), None)
+    if start is None:
+        return ""
+    head = start
+    for i in range(start - 1, -1, -1):  # a carried-over line above it, blank lines between
+        if body[i].startswith(CARRIED_MARK):
+            head = i
+            break
+        if body[i].strip():
+            break
+    reading = "\n".join(body[start:]).strip()
+    if reading in new_section:
+        return ""
+    if head < start:
+        note = "\n".join(body[head:start]).strip()
+    else:
+        fields = {}
+        for ln in body[:16]:
+            if ln.startswith(("*Commit:* ", "*Date:* ")):
+                name, value = ln.split(":* ", 1)
+                fields[name[1:]] = value.strip()
+        run = " ".join(x for x in (fields.get("Commit", "").split(" ")[0][:9],
+                                   f"({fields['Date']})" if "Date" in fields else "") if x) or "without a stamp"
+        note = (f"{CARRIED_MARK} the reading below was written for the run stamped {run}, not for the "
+                f"numbers above: check it against them, then delete this line.  ")
+    return f"{note}\n\n{reading}"
+
+
 def splice(section_text: str, path: Path | None = None) -> Path:
     """Put a section made by :func:`section` (here or on another machine) into RESULTS.md
     (``path``, default this run's :data:`RESULTS`), replacing the one with the same key; the
-    file written. A quick run's section is refused (ValueError) for bench/RESULTS.md."""
+    file written. The old section's hand-written reading goes over to the new one, marked for
+    review (:func:`carried_reading`). A quick run's section is refused (ValueError) for
+    bench/RESULTS.md."""
     path = Path(path or RESULTS)
     key = section_text.split("<!-- bench:", 1)[1].split(" -->", 1)[0]
     if QUICK_MARK in section_text and path.resolve() == CANONICAL_RESULTS.resolve():
@@ -198,7 +247,10 @@ def splice(section_text: str, path: Path | None = None) -> Path:
     start, end = f"<!-- bench:{key} -->", f"<!-- /bench:{key} -->"
     if start in text and end in text:
         head, rest = text.split(start, 1)
-        _, tail = rest.split(end, 1)
+        old, tail = rest.split(end, 1)
+        carry = carried_reading(start + old + end, new)
+        if carry:
+            new = new.rsplit(end, 1)[0].rstrip() + "\n\n" + carry + "\n" + end
         text = head + new + tail
     else:
         text = text.rstrip() + "\n\n" + new + "\n"

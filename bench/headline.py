@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from bench.common import CANONICAL_RESULTS, ROOT
+from bench.common import CANONICAL_RESULTS, CARRIED_MARK, ROOT
 from bench.status import Section, parse_sections, status
 
 README = ROOT / "README.md"
@@ -41,11 +41,14 @@ class Sec:
     def __init__(self, section: Section):
         self.s = section
         self.key = section.key
+        # what figures are read from: the section without a reading a rerun carried over
+        # (bench.common.carried_reading), which was written about older numbers
+        self.text = section.text.split("\n" + CARRIED_MARK, 1)[0]
 
     def tables(self) -> list[list[dict]]:
         """Its markdown tables, each a list of {header: cell} rows."""
         out, cur, header = [], None, None
-        for ln in self.s.text.splitlines():
+        for ln in self.text.splitlines():
             if ln.startswith("|"):
                 cells = [c.strip() for c in ln.strip().strip("|").split("|")]
                 if header is None:
@@ -75,7 +78,7 @@ class Sec:
         raise NotFound(f"{self.key}: no row {match} in the table with {has!r}")
 
     def rx(self, pattern: str, flags=0) -> re.Match:
-        m = re.search(pattern, self.s.text, flags)
+        m = re.search(pattern, self.text, flags)
         if not m:
             raise NotFound(f"{self.key}: no text matching {pattern!r}")
         return m
@@ -119,7 +122,7 @@ def _polymorph_goal(p):
     lim = [short[m] for m in short if num(b[m]["× limit"]) < 0.9]
     st = [short[m] for m in short if num(b[m]["× ST"]) < 4]
     out = "≥ 0.9× limit — " + (f"**not met** for {', '.join(lim)}" if lim else "met")
-    if "tokens computed" in p.s.text and lim:  # the true limit computes only the real tokens
+    if "tokens computed" in p.text and lim:  # the true limit computes only the real tokens
         r = b["bert-base"] if "BERT-base" in lim else b["minilm-l6"]
         out += f" (the buckets compute {num(r['× real tokens']):.2f}× the real tokens)"
     return out + "; ≥ 4× ST — " + (f"not met for {', '.join(st)}" if st else "met")
@@ -252,7 +255,7 @@ def _peer_gpu_models(p, bert):
 def _partial(p) -> str:
     """' (N of M cells|models: the run stopped)' or ' (MODELS only: ...)' for a section a time limit cut
     short, else ''."""
-    m = re.search(r"\*\*Partial:\*\* (.+?) of (.+?) measured", p.s.text)
+    m = re.search(r"\*\*Partial:\*\* (.+?) of (.+?) measured", p.text)
     if not m:
         return ""
     counted = re.fullmatch(r"(\d+)", m.group(1)) and re.match(r"(\d+) (cells|models)", m.group(2))
@@ -283,7 +286,7 @@ def _http(load):
 def _knees(load) -> dict[str, tuple[float, float]]:
     """{server line: (knee answered/s, offered/s)} from the section's "Knee" lines."""
     out = {}
-    for m in re.finditer(r"^(naive FastAPI[^:]*|jaxserve[^:]*): ([\d.]+)/s \(offered (\d+)/s", load.s.text, re.M):
+    for m in re.finditer(r"^(naive FastAPI[^:]*|jaxserve[^:]*): ([\d.]+)/s \(offered (\d+)/s", load.text, re.M):
         out[m.group(1)] = (float(m.group(2)), float(m.group(3)))
     if not out:
         raise NotFound(f"{load.key}: no knee lines")
@@ -562,7 +565,7 @@ def _asyfunc_live(a):
 
 def _asyfunc_measured(a) -> str:
     col = "mean live / sim at measured prices"
-    if col not in a.s.text:
+    if col not in a.text:
         return ""
     return ("; with the live-measured prices (held out): " + ", ".join(
         f"{p} {_median_round(a, p, col):.2f}×" for p in ("AsyFunc", "AsyFunc⁻", "BATCH")))
@@ -609,7 +612,7 @@ def _asyfunc_live_goal(a):
     agree = all(abs(_median_round(a, p, f"{k} live / sim") - 1) <= 0.10 for p in r for k in ("mean", "p98"))
     out = (f"violations ≤ BATCH's — {'not met' if worse else 'met'}; sim mean and p98 within 10% — "
            f"{'met' if agree else 'not met'}")
-    if "mean live / sim at measured prices" in a.s.text:
+    if "mean live / sim at measured prices" in a.text:
         at = all(abs(_median_round(a, p, f"{k} live / sim at measured prices") - 1) <= 0.10
                  for p in r for k in ("mean", "p98"))
         out += f" (at measured prices: {'met' if at else 'not met'}, medians of rounds)"
@@ -694,7 +697,7 @@ def _otas_dinov2_live_goal(u):
     arms = {}
     for arm, phrase in (("at its own batch times (a replay)", r"at its own measured batch times"),
                         ("calibrated on its other trace (held out)", r"calibrated on its other trace \(held out\)")):
-        found = re.findall(phrase + r".*?\((within|not within) 10% for every policy\)", u.s.text)
+        found = re.findall(phrase + r".*?\((within|not within) 10% for every policy\)", u.text)
         if found:  # one per trace; older sections have neither arm
             arms[arm] = "met" if all(f == "within" for f in found) else "not met"
     if arms:

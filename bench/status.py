@@ -22,8 +22,13 @@ declares the files its numbers measure (``MEASURES``, bench/common.py). A sectio
 - ``undeclared``: no script declares the section.
 
 GPU sections are listed like the others (``gpu`` column): ``make bench`` never reruns them.
+A rerun carries a section's hand-written reading over to its new numbers under a
+``*Carried over:*`` line (bench.common.carried_reading): the reading was written about the old
+numbers. Such sections are named under the table, to be checked against the new numbers and the
+line deleted; the JSON's ``review`` field holds the line.
+
 With ``--check`` the exit status is 1 when any section is stale (``--strict``: or unstamped,
-unknown or undeclared), else 0.
+unknown, undeclared, or holding a carried-over reading), else 0.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.common import CANONICAL_RESULTS, ROOT, declared_scripts, git
+from bench.common import CANONICAL_RESULTS, CARRIED_MARK, ROOT, declared_scripts, git
 
 # Sections written by something other than a bench script (which cannot carry MEASURES):
 # key -> (the writer, what it measures).
@@ -134,6 +139,7 @@ class Status:
     machine: str
     date: str
     title: str
+    review: str = ""      # a hand-written reading carried over by a rerun, to check: its first line
 
 
 def _short(h: str) -> str:
@@ -191,7 +197,8 @@ def status(results: Path = CANONICAL_RESULTS, infer: bool | None = None) -> list
     decl = declared()
     head = git("rev-parse", "HEAD")
     out = []
-    for s in parse_sections(results.read_text()):
+    sections = parse_sections(results.read_text())
+    for s in sections:
         d = decl.get(s.key)
         gpu = bool(d and d["gpu"]) or "GPU" in s.title
         common = dict(key=s.key, gpu=gpu, machine=s.machine, date=s.date, title=s.title,
@@ -235,6 +242,8 @@ def status(results: Path = CANONICAL_RESULTS, infer: bool | None = None) -> list
             behind = "" if s.commit == head else f" (HEAD is {_short(head)}; no measured file changed since)"
             out.append(Status(state="fresh", stamped=_short(s.commit), last_change=_short(last),
                               detail="up to date" + behind, **common))
+    for row, s in zip(out, sections, strict=True):
+        row.review = next((ln.strip() for ln in s.text.splitlines() if ln.startswith(CARRIED_MARK)), "")
     return out
 
 
@@ -255,8 +264,12 @@ def render(rows: list[Status]) -> str:
     counts = {}
     for r in rows:
         counts[r.state] = counts.get(r.state, 0) + 1
+    review = [r.key for r in rows if r.review]
     lines.append("")
     lines.append(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+    if review:
+        lines.append(f"hand-written readings carried over by a rerun, to check against the new numbers "
+                     f"(then delete their *Carried over:* line): {', '.join(review)}")
     return "\n".join(lines)
 
 
@@ -264,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", type=Path, default=CANONICAL_RESULTS, help="a RESULTS.md (default bench/RESULTS.md)")
     ap.add_argument("--check", action="store_true", help="exit 1 if any section is stale")
-    ap.add_argument("--strict", action="store_true", help="with --check: unstamped, unknown, undeclared fail too")
+    ap.add_argument("--strict", action="store_true",
+                    help="with --check: unstamped, unknown, undeclared and readings carried over unchecked fail too")
     ap.add_argument("--json", action="store_true", help="one JSON object per section")
     args = ap.parse_args(argv)
     rows = status(args.results)
@@ -273,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(render(rows))
     bad = {"stale"} | ({"unstamped", "unknown", "undeclared"} if args.strict else set())
-    return 1 if args.check and any(r.state in bad for r in rows) else 0
+    return 1 if args.check and any(r.state in bad or (args.strict and r.review) for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -139,6 +139,72 @@ def test_splice_replaces_one_section_in_a_given_file(tmp_path):
     assert [s.key for s in status.parse_sections(text)] == ["a", "b"]
 
 
+def _run_section(commit: str, date: str, figure: int, extra: str = "") -> str:
+    """A section as a script writes it (stamp, a table, a generated reading), plus ``extra``."""
+    return (f"<!-- bench:a -->\n## A\n\n*Commit:* {commit}  \n*Machine:* AMD EPYC, 2 cores; cpu  \n"
+            f"*Date:* {date}\n\n| x |\n|---|\n| {figure} |\n\nReading. the figure is {figure}.\n{extra}"
+            f"<!-- /bench:a -->")
+
+
+HAND = ("**Reading (hand-written, 2026-01-02).** Why the figure is what it is.\nA second line.\n\n"
+        "- and a list that belongs to it\n")
+
+
+def test_a_rerun_carries_the_hand_written_reading_over_marked_and_drops_the_waivers(tmp_path):
+    path = tmp_path / "R.md"
+    first = _run_section("a" * 40, "2026-01-01 10:00 UTC", 1,
+                         "\n*Unaffected by:* bbbbbbb — a rename  \n\n" + HAND)
+    common.splice(first, path)
+    assert common.carried_reading(first, first) == ""        # the new text already holds it
+    common.splice(_run_section("c" * 40, "2026-02-01 10:00 UTC", 2), path)
+    text = path.read_text()
+    (sec,) = status.parse_sections(text)
+    assert "| 2 |" in text and "| 1 |" not in text and "the figure is 1" not in text
+    assert "Unaffected by" not in text                        # the waiver vouched for the old stamp
+    assert text.count(HAND.strip()) == 1
+    carried = [ln for ln in text.splitlines() if ln.startswith(common.CARRIED_MARK)]
+    assert len(carried) == 1 and "aaaaaaaaa (2026-01-01 10:00 UTC)" in carried[0]
+    # after the new run's own text, the mark just above the reading, the section closed after it
+    assert text.index("the figure is 2") < text.index(common.CARRIED_MARK) < text.index(HAND.strip())
+    assert sec.text.rstrip().endswith(HAND.strip() + "\n<!-- /bench:a -->")
+    # a third run: the reading is still the one written for the first run, carried once
+    common.splice(_run_section("d" * 40, "2026-03-01 10:00 UTC", 3), path)
+    text = path.read_text()
+    assert text.count(HAND.strip()) == 1 and text.count(common.CARRIED_MARK) == 1
+    assert "aaaaaaaaa (2026-01-01" in text and "ccccccccc" not in text and "| 3 |" in text
+    # once checked (the mark deleted by hand), the next rerun marks it again, for that run
+    path.write_text("\n".join(ln for ln in text.splitlines() if not ln.startswith(common.CARRIED_MARK)))
+    common.splice(_run_section("e" * 40, "2026-04-01 10:00 UTC", 4), path)
+    text = path.read_text()
+    assert text.count(common.CARRIED_MARK) == 1 and "ddddddddd (2026-03-01" in text
+
+
+def test_a_rerun_of_a_section_without_a_hand_written_reading_is_the_new_text_alone(tmp_path):
+    path = tmp_path / "R.md"
+    common.splice(_run_section("a" * 40, "2026-01-01 10:00 UTC", 1, "\nReading: generated too.\n"), path)
+    new = _run_section("c" * 40, "2026-02-01 10:00 UTC", 2)
+    common.splice(new, path)
+    (sec,) = status.parse_sections(path.read_text())
+    assert sec.text == new
+
+
+@needs_git
+def test_status_names_a_carried_reading_for_review_and_strict_check_fails_on_it(tmp_path, capsys):
+    path = tmp_path / "RESULTS.md"
+    head = common.git("rev-parse", "HEAD")
+    path.write_text(_section("sim_speed", head))
+    assert status.main(["--results", str(path), "--check", "--strict"]) == 0
+    common.splice(_section("sim_speed", head).replace("| 1 |", "| 1 |\n\n" + HAND), path)
+    common.splice(_section("sim_speed", head).replace("| 1 |", "| 2 |"), path)
+    (row,) = status.status(path)
+    assert row.state == "fresh" and row.review.startswith(common.CARRIED_MARK)
+    capsys.readouterr()
+    assert status.main(["--results", str(path), "--check"]) == 0     # the numbers are current
+    out = capsys.readouterr().out
+    assert re.search(r"to check against the new numbers.*: sim_speed$", out, re.M)
+    assert status.main(["--results", str(path), "--check", "--strict"]) == 1
+
+
 # ---------------------------------------------------------------- bench.status
 
 def _section(key: str, commit: str | None, title: str = "T") -> str:
@@ -306,3 +372,16 @@ def test_headline_compares_warmups_only_between_whole_runs_on_one_machine(tmp_pa
     cut = on(whole(tf32), "NVIDIA H200").replace(
         "Geometric means", "**Partial:** 3 of 16 cells (x) measured.  \nGeometric means", 1)
     assert "(strict fp32:" not in row(cut, on(whole(strict), "NVIDIA H200"))
+
+
+def test_headline_reads_no_figure_out_of_a_carried_reading(tmp_path):
+    path = tmp_path / "R.md"
+    common.splice(_run_section("a" * 40, "2026-01-01 10:00 UTC", 1, "\n" + HAND.replace("Why", "Speed-up 9.9x, why")), path)
+    common.splice(_run_section("c" * 40, "2026-02-01 10:00 UTC", 2), path)
+    (sec,) = status.parse_sections(path.read_text())
+    assert "Speed-up 9.9x" in sec.text                     # carried, for a reader
+    seen = headline.Sec(sec)
+    assert seen.rx(r"the figure is (\d)").group(1) == "2"
+    with pytest.raises(headline.NotFound):
+        seen.rx(r"Speed-up ([\d.]+)x")
+    assert [r["x"] for r in seen.table("x")] == ["2"]
