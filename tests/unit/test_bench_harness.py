@@ -418,6 +418,27 @@ def test_headline_compares_warmups_only_between_whole_runs_on_one_machine(tmp_pa
     assert "(strict fp32:" not in row(cut, on(whole(strict), "NVIDIA H200"))
 
 
+def test_headline_sets_bf16_against_float32_load_only_within_one_run(tmp_path):
+    text = RESULTS.read_text()
+    sections = {s.key: s for s in status.parse_sections(text)}
+    f32, bf16 = sections["load"].text, sections["load_bf16"].text
+    stamp = lambda sec, commit, date: re.sub(r"\*Date:\* [^\n]*", f"*Date:* {date}",  # noqa: E731
+                                             re.sub(r"\*Commit:\* \S+", f"*Commit:* {commit}", sec, count=1), count=1)
+
+    def row(f32_text, bf16_text):
+        results = tmp_path / "RESULTS.md"
+        results.write_text(text.replace(f32, f32_text).replace(bf16, bf16_text))
+        table, problems = headline.build(results)
+        assert problems == []
+        return next(ln for ln in table.splitlines() if ln.startswith("| the same with `--precision bf16`"))
+
+    same = row(stamp(f32, "a" * 40, "2026-01-01 10:00 UTC"), stamp(bf16, "a" * 40, "2026-01-01 10:20 UTC"))
+    assert "ours in bf16 is" in same and "× ours in float32" in same
+    for commit, date in (("b" * 40, "2026-01-01 10:20 UTC"), ("a" * 40, "2026-01-02 10:20 UTC")):
+        other = row(stamp(f32, "a" * 40, "2026-01-01 10:00 UTC"), stamp(bf16, commit, date))
+        assert "ours in bf16 is" not in other and "is another run" in other
+
+
 def test_headline_reads_no_figure_out_of_a_carried_reading(tmp_path):
     path = tmp_path / "R.md"
     common.splice(_run_section("a" * 40, "2026-01-01 10:00 UTC", 1, "\n" + HAND.replace("Why", "Speed-up 9.9x, why")), path)
