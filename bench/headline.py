@@ -355,16 +355,16 @@ def _load_bf16(b, f32):
              f"≥ {ours / col:.1f}×)") if col else ""
     head = f"{ours / peer[0]:.1f}×: {ours:.0f} vs {peer[0]:.0f} answered/s at p98 ≤ 200 ms{bound}"
     if not _one_run(b, f32):  # never a ratio across machines or days
-        return head + f"; not set against ours in float32 (section `{f32.key}` is another run: {f32.s.date})"
+        return head + f"; not set against ours in float32 (section `{f32.key}` is another run: {f32.s.machine}, {f32.s.date})"
     ours32 = max(v[0] for n, v in _knees(f32).items() if n.startswith("jaxserve"))
     return head + f"; ours in bf16 is {ours / ours32:.1f}× ours in float32 ({ours32:.0f}/s, section `{f32.key}`)"
 
 
 def _one_run(a: Sec, b: Sec) -> bool:
-    """Whether two sections come from one run of one machine: the same stamped commit and machine,
-    and the same day (``make bench`` writes them minutes apart)."""
-    return (a.s.commit == b.s.commit and a.s.machine == b.s.machine and bool(a.s.date)
-            and a.s.date[:10] == b.s.date[:10])
+    """Whether two sections' figures may be set against each other: measured on one machine on one
+    day (``make bench`` writes them minutes apart). Whether each describes today's code is
+    bench.status's question, marked on the row's source."""
+    return a.s.machine == b.s.machine and bool(a.s.date) and a.s.date[:10] == b.s.date[:10]
 
 
 def _abandon_q(a):

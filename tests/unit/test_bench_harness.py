@@ -422,8 +422,9 @@ def test_headline_sets_bf16_against_float32_load_only_within_one_run(tmp_path):
     text = RESULTS.read_text()
     sections = {s.key: s for s in status.parse_sections(text)}
     f32, bf16 = sections["load"].text, sections["load_bf16"].text
-    stamp = lambda sec, commit, date: re.sub(r"\*Date:\* [^\n]*", f"*Date:* {date}",  # noqa: E731
-                                             re.sub(r"\*Commit:\* \S+", f"*Commit:* {commit}", sec, count=1), count=1)
+    stamp = lambda sec, machine, date: re.sub(r"\*Date:\* [^\n]*", f"*Date:* {date}",  # noqa: E731
+                                              re.sub(r"\*Machine:\* [^\n]*", f"*Machine:* {machine}  ", sec, count=1),
+                                              count=1)
 
     def row(f32_text, bf16_text):
         results = tmp_path / "RESULTS.md"
@@ -432,10 +433,11 @@ def test_headline_sets_bf16_against_float32_load_only_within_one_run(tmp_path):
         assert problems == []
         return next(ln for ln in table.splitlines() if ln.startswith("| the same with `--precision bf16`"))
 
-    same = row(stamp(f32, "a" * 40, "2026-01-01 10:00 UTC"), stamp(bf16, "a" * 40, "2026-01-01 10:20 UTC"))
+    epyc, xeon = "AMD EPYC, 2 cores; cpu", "Intel Xeon, 2 cores; cpu"
+    same = row(stamp(f32, epyc, "2026-01-01 10:00 UTC"), stamp(bf16, epyc, "2026-01-01 10:20 UTC"))
     assert "ours in bf16 is" in same and "× ours in float32" in same
-    for commit, date in (("b" * 40, "2026-01-01 10:20 UTC"), ("a" * 40, "2026-01-02 10:20 UTC")):
-        other = row(stamp(f32, "a" * 40, "2026-01-01 10:00 UTC"), stamp(bf16, commit, date))
+    for machine, date in ((xeon, "2026-01-01 10:20 UTC"), (epyc, "2026-01-02 10:20 UTC")):
+        other = row(stamp(f32, epyc, "2026-01-01 10:00 UTC"), stamp(bf16, machine, date))
         assert "ours in bf16 is" not in other and "is another run" in other
 
 
