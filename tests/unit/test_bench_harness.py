@@ -395,6 +395,17 @@ def test_headline_reads_a_run_cut_short_as_partial(tmp_path):
     assert "the run stopped" not in rows["whole"]
 
 
+def _headline_row(tmp_path, text: str, replace: dict[str, str], starts: str) -> str:
+    """The headline row starting with ``starts``, built from ``text`` with sections replaced."""
+    for old, new in replace.items():
+        text = text.replace(old, new)
+    results = tmp_path / "RESULTS.md"
+    results.write_text(text)
+    table, problems = headline.build(results)
+    assert problems == []
+    return next(ln for ln in table.splitlines() if ln.startswith(starts))
+
+
 def test_headline_compares_warmups_only_between_whole_runs_on_one_machine(tmp_path):
     """The TF32 row quotes the strict-fp32 run's warmup beside its own only when both covered the
     whole grid on the same machine (the brief: never mix machines in one comparison)."""
@@ -405,11 +416,7 @@ def test_headline_compares_warmups_only_between_whole_runs_on_one_machine(tmp_pa
     on = lambda sec, gpu: re.sub(r"NVIDIA H\d00[^;\n ]*( 80GB HBM3)?", gpu, sec)  # noqa: E731
 
     def row(tf32_text, strict_text):
-        results = tmp_path / "RESULTS.md"
-        results.write_text(text.replace(tf32, tf32_text).replace(strict, strict_text))
-        table, problems = headline.build(results)
-        assert problems == []
-        return next(ln for ln in table.splitlines() if ln.startswith("| the same with TF32"))
+        return _headline_row(tmp_path, text, {tf32: tf32_text, strict: strict_text}, "| the same with TF32")
 
     assert "(strict fp32:" in row(on(whole(tf32), "NVIDIA H200"), on(whole(strict), "NVIDIA H200"))
     assert "(strict fp32:" not in row(on(whole(tf32), "NVIDIA H200"), on(whole(strict), "NVIDIA H100 80GB HBM3"))
@@ -427,11 +434,7 @@ def test_headline_sets_bf16_against_float32_load_only_within_one_run(tmp_path):
                                               count=1)
 
     def row(f32_text, bf16_text):
-        results = tmp_path / "RESULTS.md"
-        results.write_text(text.replace(f32, f32_text).replace(bf16, bf16_text))
-        table, problems = headline.build(results)
-        assert problems == []
-        return next(ln for ln in table.splitlines() if ln.startswith("| the same with `--precision bf16`"))
+        return _headline_row(tmp_path, text, {f32: f32_text, bf16: bf16_text}, "| the same with `--precision bf16`")
 
     epyc, xeon = "AMD EPYC, 2 cores; cpu", "Intel Xeon, 2 cores; cpu"
     same = row(stamp(f32, epyc, "2026-01-01 10:00 UTC"), stamp(bf16, epyc, "2026-01-01 10:20 UTC"))
