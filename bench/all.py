@@ -2,12 +2,12 @@
 
     python -m bench.all [--quick] [--dry-run] [--only KEYS] [--skip KEYS] [--out DIR] [--timeout S]
 
-Runs, in :data:`ORDER` (producers first: the Arlo profile and the OTAS cost model before what
-reads them), every section each script declares in its ``SECTIONS`` (bench/common.py), as
-``python -m bench.<script> <arguments>``, each stamped by bench.common.stamp. Sections a script
-declares in ``GPU_SECTIONS`` are never run here: they come from a GPU host and keep their stamp. A section's
-hand-written reading survives its rerun, marked for review (bench.common.carried_reading), and
-``python -m bench.status`` lists what to review.
+Runs, in :data:`ORDER` (a script that ``PRODUCES`` a file before every script that measures it:
+sim_knee's cost model, the OTAS cost models, the Ray hop), every section each script declares in
+its ``SECTIONS`` (bench/common.py), as ``python -m bench.<script> <arguments>``, each stamped by
+bench.common.stamp. Sections a script declares in ``GPU_SECTIONS`` are never run here: they come
+from a GPU host and keep their stamp. A section's hand-written reading survives its rerun, marked
+for review (bench.common.carried_reading), and ``python -m bench.status`` lists what to review.
 
 ``--quick`` is the smoke version: each script's ``--quick`` (the same code path on tiny sizes),
 with every output redirected to ``--out`` (default ``$TMPDIR/jaxserve-bench-quick``): quick
