@@ -33,7 +33,7 @@ MEASURES = (
     "jaxserve/servables.py", "jaxserve/compile_cache.py", "jaxserve/runtime.py",
 )
 SECTIONS = {
-    "load": "--rates 10,40,80,120,140,160,170,180,190,200,240,280 --write",
+    "load": "--rates 10,40,80,90,100,110,120,130,140,160,180,200,240,280 --write",
     "load_bf16": "--precision bf16 --instances 2 --arrivals poisson --rates 40,80,100,115,130,160,200,250,350,450,500,550,600,650 --key load_bf16 --write",
 }
 GPU_SECTIONS = {"load_gpu": "--instances 1 --arrivals poisson --rates 100,200,300,400,600,1000,1500 --duration 4 --max-queue 2048 --key load_gpu --out FILE"}  # measured on a GPU host; never run by bench.all
