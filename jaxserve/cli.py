@@ -434,10 +434,12 @@ def _profile_layers(args) -> int:
 
 
 def _simulate_asyfunc(args) -> int:
-    """--policy asyfunc|asyfunc-nolls|asyfunc-batch: the layer profile next to --cost-model."""
+    """--policy asyfunc|asyfunc-nolls|asyfunc-batch: the layer profile next to --cost-model; generated
+    arrivals only (every request at the profile's one bucket, so a CSV's lengths would be dropped)."""
     from jaxserve.layer_profile import layers_path
     from jaxserve.sched.asyfunc import AsyFuncKnobs, model_from_layers
 
+    _require_generated(args, ": every request runs at the layer profile's one bucket")
     path = layers_path(args.cost_model)
     if not path.exists():
         raise CliError(f"--policy {args.policy} plans with the layer profile {path}: jaxserve profile --layers "
@@ -503,7 +505,19 @@ def _with_units(summary: dict) -> dict:
     return out
 
 
+GENERATED_TRACES = ("poisson", "mmpp", "gamma")
+
+
+def _require_generated(args, why: str = "") -> None:
+    """The policies whose simulation draws its own requests take no --trace FILE.csv (a CLI error naming it)."""
+    if args.trace not in GENERATED_TRACES:
+        raise CliError(f"--trace {args.trace}: --policy {args.policy} simulates generated arrivals "
+                       f"({', '.join(GENERATED_TRACES)}){why}")
+
+
 def _arrivals(args) -> np.ndarray:
+    """--rate/--requests/--seed arrivals of the generated --trace (poisson, gamma at --cv, or MMPP)."""
+    _require_generated(args)
     if args.trace == "poisson":
         return traces.poisson_arrivals(args.rate, n=args.requests, seed=args.seed)
     if args.trace == "gamma":
@@ -513,9 +527,7 @@ def _arrivals(args) -> np.ndarray:
 
 def _simulate_cascade(args) -> int:
     """--policy tabi (or a baseline): the task's test split replayed through the cascade."""
-    if args.trace not in ("poisson", "mmpp", "gamma"):
-        raise CliError(f"--policy {args.policy} simulates generated arrivals (poisson, mmpp, gamma): each request "
-                       "is a test item of --task, replayed")
+    _require_generated(args, ": each request is a test item of --task, replayed")
     profile = Path(args.cascade_profile) if args.cascade_profile else None
     tasks = load_cascade_profile(profile or cascade_profile_path(ServeSettings()))
     task = args.task or sorted(tasks)[0]
@@ -553,7 +565,7 @@ def cmd_simulate(args) -> int:
     planned = simulated_models(cost, model)  # what serve's policy sees of the model, from the cost model
     grid = planned[model].grid
     slo = args.slo_ms / 1e3 if args.slo_ms else float("inf")
-    if args.trace in ("poisson", "mmpp", "gamma"):
+    if args.trace in GENERATED_TRACES:
         arrivals = _arrivals(args)
         lengths = traces.sample_lengths(_tweet_lengths() if grid.seq_buckets else 0, len(arrivals), seed=args.seed)
         if grid.seq_buckets:
@@ -591,8 +603,7 @@ def _simulate_quart(args) -> int:
     profile next to --cost-model where it profiles the model (as serve cuts), else of equal
     layers; every request is answered (no deadline: latency counts them all), and the SLO the
     policies plan with is --slo-ms (default: 2x the profiled batch-1 time at the largest bucket)."""
-    if args.trace not in ("poisson", "mmpp", "gamma"):
-        raise CliError(f"--policy {args.policy} simulates generated arrivals (poisson, mmpp, gamma)")
+    _require_generated(args)
     cost = load_cost_model(args.cost_model)
     model = args.sim_model or "minilm-l6"
     if model not in cost.latency:
@@ -783,8 +794,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--policy", default="default", choices=SERVE_POLICIES,
                     help="the policy the server will run: only the image grid's default gammas depend on it")
     sp.add_argument("--prune", action="store_true",
-                    help="then delete these models' serialized entries that this jaxserve/jax/grid can never "
-                         "load again (left by older versions); other models' entries stay")
+                    help="then delete every serialized entry of these models at this precision that this run "
+                         "did not write or load (older jaxserve/jax versions, and other grids' cells: warm those "
+                         "again to keep them); other models' entries stay")
     sp.add_argument("--stages", type=_layer_cuts, default=(),
                     help="also compile each model cut into layer ranges at these layers, e.g. 3 or 2,4 (for "
                          "workers that hold stages; the whole model is always compiled)")

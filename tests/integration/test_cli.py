@@ -519,6 +519,24 @@ def test_asyfunc_simulates_and_warms_up_and_serve_checks_its_layer_profile_first
     assert out.returncode == 2 and "profile --layers" in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.parametrize("policy", ["tabi", "asyfunc", "quart"])
+def test_policies_that_draw_their_own_requests_refuse_a_trace_file(policy, tmp_path, capsys):
+    """simulate --policy tabi|asyfunc|quart generates its arrivals (Tabi replays test items, AsyFunc
+    runs every request at its profile's one bucket): a --trace FILE.csv is a usage error naming the
+    flag and the policy, never silently replaced by a generated trace."""
+    from jaxserve.cli import main
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrival,length\n0.0,32\n0.1,64\n")
+    argv = ["simulate", "--policy", policy, "--trace", str(trace), "--requests", "50",
+            "--cost-model", str(ROOT / "bench" / "profiles" / "asyfunc-cost.json")]
+    if policy == "tabi":
+        argv += ["--task", "reviews"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--trace {trace}: --policy {policy} simulates generated arrivals" in err, err
+
+
 def test_quart_warms_its_stages_and_their_checkpoints_and_serve_checks_its_settings_first(tmp_path, capsys):
     """serve --policy quart refuses, before any warmup, thread workers, too few --instances for
     its stages and a baseline (simulation only); warmup --policy quart compiles the model cut into
