@@ -324,6 +324,27 @@ def _load_gpu_goal(g):
     return "≥ 3× — " + ("met on the GPU" if ours / _peer_knee(k)[0] >= 3 else "not met")
 
 
+def _first_knee(load, server: str) -> float | None:
+    """Answered/s at the highest offered rate below ``server``'s first miss (SLO attainment < 0.99 or
+    p98 over the SLO, poisson rows): the knee's lower bound where the share dips and recovers above
+    it. None when no rate passes before the first miss."""
+    slo = float(load.rx(r"SLO (\d+) ms on p98").group(1))
+    rows = sorted((r for r in load.table("offered/s") if r["server"] == server and r["arrivals"] == "poisson"),
+                  key=lambda r: num(r["offered/s"]))
+    last = None
+    for r in rows:
+        if num(r["SLO att."]) < 0.99 or num(r["p98 ms"]) > slo:
+            return last
+        last = num(r["answered ok/s"])
+    return last
+
+
+def _ratio(lo: float | None, hi: float, peer: float) -> str:
+    """``hi / peer`` as ``1.4×``, or ``1.1–1.4×`` when the first-miss bound ``lo`` rounds differently."""
+    a, b = f"{(lo or 0) / peer:.1f}", f"{hi / peer:.1f}"
+    return f"{b}×" if lo is None or a == b else f"{a}–{b}×"
+
+
 def _load_cpu(load, knee):
     k = _knees(load)
     peer = _peer_knee(k)
@@ -331,14 +352,18 @@ def _load_cpu(load, knee):
     two = k.get("jaxserve, 2 workers (poisson)")
     if not one or not two:
         raise NotFound(f"{load.key}: no 1- and 2-worker poisson knees")
+    lo1, lo2 = _first_knee(load, "jaxserve, 1 worker"), _first_knee(load, "jaxserve, 2 workers")
     rows = load.table("offered/s")
     past = [num(r["answered ok/s"]) for r in rows
             if r["server"] == "jaxserve, 1 worker" and r["arrivals"] == "poisson" and num(r["offered/s"]) > one[1]]
     peer_p98 = max(num(r["p98 ms"]) for r in rows if r["server"].startswith("naive"))
     past_txt = (f"; past the knee one worker answers {min(past):.0f}–{max(past):.0f}/s, the excess `evicted`, "
                 f"while the peer's p98 reaches {peer_p98:,.0f} ms") if past else ""
-    return (f"{one[0] / peer[0]:.1f}× (one worker) / {two[0] / peer[0]:.1f}× (two, the default): "
-            f"{one[0]:.0f} / {two[0]:.0f} vs {peer[0]:.0f} answered/s{past_txt}")
+    r1, r2 = _ratio(lo1, one[0], peer[0]), _ratio(lo2, two[0], peer[0])
+    dips = ("; a range's low end is the last rate before the on-time share first fell below 99%, its high "
+            "end the knee's rule above the dip") if "–" in r1 + r2 else ""
+    return (f"{r1} (one worker) / {r2} (two, the default): {one[0]:.0f} / {two[0]:.0f} vs {peer[0]:.0f} "
+            f"answered/s{dips}{past_txt}")
 
 
 def _load_cpu_goal(load, knee):

@@ -521,3 +521,38 @@ def test_status_judges_a_run_on_uncommitted_inputs_by_the_commit_that_committed_
     assert row.state == "stale" and g in row.detail and f not in row.detail.split(";")[0]
     row = judged((f, g), f"{f}@{blob}", waive=others)
     assert row.state == "fresh" and "waived" in row.detail
+
+
+def test_the_cpu_knee_row_gives_a_range_where_the_on_time_share_dips_below_the_knee(tmp_path):
+    """The knee's rule takes the highest rate at >= 99% on time; where the share first fell below 99%
+    at a lower rate, the row gives the ratio as a range from the last rate before that dip (a headline
+    states what the reading admits), and one figure where no rate below the knee misses."""
+    text = RESULTS.read_text()
+    load = {s.key: s for s in status.parse_sections(text)}["load"].text
+    knee = float(re.search(r"^jaxserve, 2 workers \(poisson\): [\d.]+/s \(offered (\d+)/s", load, re.M).group(1))
+    peer = float(re.search(r"^naive FastAPI[^:]*: ([\d.]+)/s", load, re.M).group(1))
+    row_re = re.compile(r"^\| jaxserve, 2 workers \| poisson \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| "
+                        r"([\d.]+) \| ([\d.]+) \|", re.M)
+    below = [m for m in row_re.finditer(load) if float(m.group(1)) < knee]
+    assert len(below) >= 2, "the load section needs two 2-worker rates below the knee"
+
+    def with_rows(att_of):  # every 2-worker poisson row below the knee: p98 within the SLO, attainment att_of(i)
+        out, i = load, 0
+        for m in below:
+            new = (f"| jaxserve, 2 workers | poisson | {m.group(1)} | {m.group(2)} | {m.group(3)} | 100.0 | "
+                   f"{m.group(5)} | {att_of(i):.3f} |")
+            out, i = out.replace(m.group(0), new, 1), i + 1
+        return out
+
+    def two_workers(section):
+        row = _headline_row(tmp_path, text, {load: section}, "| the same on the 2-core CPU")
+        return row.split(" (two, the default)")[0].split(" / ")[-1]
+
+    ours = float(re.search(r"^jaxserve, 2 workers \(poisson\): ([\d.]+)/s", load, re.M).group(1))
+    high = f"{ours / peer:.1f}"
+    assert two_workers(with_rows(lambda i: 1.0)) == f"{high}×"
+    dip = len(below) - 1  # the last rate below the knee misses: the range starts at the one before it
+    low = f"{float(below[dip - 1].group(2)) / peer:.1f}"
+    expected = f"{high}×" if low == high else f"{low}–{high}×"
+    assert two_workers(with_rows(lambda i: 0.95 if i == dip else 1.0)) == expected
+    assert two_workers(with_rows(lambda i: 0.95 if i == 0 else 1.0)) == f"{high}×"  # nothing passes before: no bound
