@@ -341,8 +341,9 @@ def _first_knee(load, server: str) -> float | None:
 
 def _ratio(lo: float | None, hi: float, peer: float) -> str:
     """``hi / peer`` as ``1.4×``, or ``1.1–1.4×`` when the first-miss bound ``lo`` rounds differently."""
-    a, b = f"{(lo or 0) / peer:.1f}", f"{hi / peer:.1f}"
-    return f"{b}×" if lo is None or a == b else f"{a}–{b}×"
+    b = f"{hi / peer:.1f}"
+    a = b if lo is None else f"{lo / peer:.1f}"
+    return f"{b}×" if a == b else f"{a}–{b}×"
 
 
 def _load_cpu(load, knee):
