@@ -3,7 +3,7 @@
     python -m bench.all [--quick] [--dry-run] [--only KEYS] [--skip KEYS] [--out DIR] [--timeout S]
 
 Runs, in :data:`ORDER` (a script that ``PRODUCES`` a file before every script that measures it:
-sim_knee's cost model, the OTAS cost models, the Ray hop), every section each script declares in
+fidelity's calibrations, sim_knee's cost model, the OTAS cost models, the Ray hop), every section each script declares in
 its ``SECTIONS`` (bench/common.py), as ``python -m bench.<script> <arguments>``, each stamped by
 bench.common.stamp. Sections a script declares in ``GPU_SECTIONS`` are never run here: they come
 from a GPU host and keep their stamp. A section's hand-written reading survives its rerun, marked
@@ -32,9 +32,9 @@ from bench.common import ROOT, declared_scripts
 
 # Scripts whose order matters, in the order they run; a script that declares sections and is
 # missing here runs after these, by name. A script that PRODUCES a file runs before every script
-# whose MEASURES name it (tests/unit/test_bench_harness.py checks): sim_knee's cost model (it
-# copies the one the load and fidelity servers profiled into compiled_cache) before sim_speed,
-# arlo_short and fidelity_sensitivity; otas_profile's before the OTAS runs; workers' Ray hop
+# whose MEASURES name it (tests/unit/test_bench_harness.py checks): fidelity's calibrations and
+# its servers' cost model before sim_knee and fidelity_sensitivity; sim_knee's copy of that cost
+# model before sim_speed and arlo_short; otas_profile's before the OTAS runs; workers' Ray hop
 # before QUART's.
 ORDER = (
     "arlo_solver", "arlo_sim",

@@ -75,6 +75,14 @@ def output(path: str | Path) -> Path:
     return out / Path(path).name
 
 
+def shown_path(path: str | Path) -> str:
+    """``path`` as a section names it: relative to the repository where it lies inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT.resolve()))
+    except ValueError:
+        return str(path)
+
+
 def add_quick(ap, **small) -> None:
     """Give ``ap`` a ``--quick`` flag; :func:`apply_quick` then sets ``small``'s values on the
     parsed arguments (overriding the command line's): the same code path with less work."""

@@ -58,6 +58,9 @@ MEASURES = (
     "jaxserve/servables.py", "jaxserve/compile_cache.py", "jaxserve/runtime.py", "jaxserve/assets",
 )
 SECTIONS = {"fidelity": "--write"}
+# every cell's calibration and the cost model it is relative to, for the scripts that simulate
+# at fidelity's calibration (sim_knee, fidelity_sensitivity): one run's figures, never constants
+PRODUCES = ("bench/results/fidelity-calibration.json",)
 
 import argparse
 import asyncio
@@ -70,12 +73,13 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import add_quick, apply_quick, record, table
+from bench.common import add_quick, apply_quick, output, record, table
 from bench.load import LoadResult, open_loop, start, stop
 from jaxserve import traces
 from jaxserve.sched.base import ShapeGrid
 
 TEXT_MODEL = "minilm-l6"
+CALIBRATION = Path(__file__).parent / "results" / "fidelity-calibration.json"
 IMAGE_POLICIES = ("otas",)
 IMAGE_BATCHES = (1, 2, 4, 8)
 
@@ -118,6 +122,55 @@ def simulated(policy: str, planned: dict, cost, trace, plan_cost=None, noise: fl
 
     return simulate(sim_policy(policy, planned, plan_cost or cost), trace, cost, instances=1, latency_noise=noise,
                     batch_overhead=overhead, service_time=service_time, seed=seed)
+
+
+def save_calibrations(path: Path, cost_path: Path, cells: list[dict]) -> Path:
+    """Write ``cells``' calibrations (policy, model, load, rate, ratio, sigma, hand-off, and the
+    log-normal arm's error) with the cost model they are ratios to, ``cost_path``'s bytes as the
+    servers left them (every model the run served: the servers share one cache directory)."""
+    from jaxserve.profiler import load_cost_model
+
+    load_cost_model(cost_path)  # a cost model, or ValueError naming the file
+    text = Path(cost_path).read_text()
+    rows = [{"policy": c["policy"], "model": c["model"], "load": c["load"], "rate": c["rate"],
+             "factor": c["calibration"]["factor"], "sigma": c["calibration"]["sigma"],
+             "handoff_s": c["calibration"]["handoff_ms"] / 1e3,
+             "lognormal_error_pct": [_err(c["sim"]["lognormal"][s], c["live"][s]) for s in ("mean", "p98")]}
+            for c in cells]
+    path.parent.mkdir(parents=True, exist_ok=True)  # a cell a line, the cost model on the last
+    path.write_text('{"cells": [\n' + ",\n".join(json.dumps(r) for r in rows) + '],\n"cost_model": '
+                    + json.dumps(json.loads(text)) + "}\n")
+    return path
+
+
+def load_calibrations(path: Path = CALIBRATION):
+    """``(cost model, cells)`` as :func:`save_calibrations` wrote them; ValueError naming the file
+    and what to run where it holds no calibration."""
+    from jaxserve.profiler import CostModel
+
+    try:
+        data = json.loads(Path(path).read_text())
+        return CostModel.from_json(json.dumps(data["cost_model"])), list(data["cells"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path} holds no fidelity calibration ({type(exc).__name__}: {exc}); "
+                         "write one with python -m bench.fidelity --write") from None
+
+
+def calibration_of(cells: list[dict], policy: str, load: float) -> dict:
+    """The cell of ``policy`` at ``load``; ValueError listing the cells there are."""
+    for c in cells:
+        if c["policy"] == policy and abs(c["load"] - load) < 1e-9:
+            return c
+    have = ", ".join(f"{c['policy']} at {c['load']:.0%}" for c in cells)
+    raise ValueError(f"no fidelity calibration for {policy} at {load:.0%} (have: {have})")
+
+
+def typical_calibration(cells: list[dict], policy: str) -> dict:
+    """``policy``'s typical calibration over its cells: the median ratio, sigma and hand-off."""
+    mine = [c for c in cells if c["policy"] == policy]
+    if not mine:
+        raise ValueError(f"no fidelity calibration for {policy}")
+    return {k: float(np.median([c[k] for c in mine])) for k in ("factor", "sigma", "handoff_s")}
 
 
 @dataclass
@@ -538,6 +591,7 @@ def main():
     print(text)
     print(notes)
     if args.write:
+        save_calibrations(output(CALIBRATION), Path(args.cache_dir) / "cost_model.json", cells)
         record("fidelity", "Simulator fidelity against the live engine: 3 loads x 3 policies", text, notes)
     print(json.dumps(cells, default=float))
 

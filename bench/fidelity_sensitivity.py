@@ -3,8 +3,8 @@ the precision of service prices that bench/fidelity.py's goal (within 10% of liv
 p98, at 30%, 70% and 90% load) asks for, per cell.
 
 bench/fidelity.py calibrates each cell's service prices on a live trace of its own, and the
-calibration's mean ratio (measured / profiled compute) moves between the cells of one run (the
-text cells: x1.13 to x1.27) and between runs. Near saturation queueing amplifies that: for an
+calibration's mean ratio (measured / profiled compute) moves between the cells of one run and
+between runs (the cells in ``bench/results/fidelity-calibration.json``). Near saturation queueing amplifies that: for an
 M/M/1 queue the mean sojourn time's elasticity to the service time is 1 / (1 - rho), 10 at 90%.
 This script measures the same elasticity for the policies and workloads the fidelity cells run,
 in the simulator alone (no server): each cell's rate is fidelity's (``rate_at_load``: the idle
@@ -19,21 +19,22 @@ Arlo, fidelity's other text policy, is not tabled: at one instance its runtime g
 of every runtime, batched by the same DeadlineBatching as ``default``, so its simulated runs are
 identical; each text cell checks that at the base prices (every request's start and finish).
 
-Decisions: the base calibration per workload is its cells' typical one in the fidelity table
-(:data:`SETUPS`: text x1.2, sigma 0.3, hand-off 0.8 ms; image x1.0, sigma 0.16, hand-off 1.0 ms);
-the elasticity is the central difference over +-3%, and the tolerance (the error that moves
-a cell by 10%) scales the larger one-sided move at -3% or +3% (:func:`tolerance`). The image cells price DINOv2 by OTAS's committed
-profile of it (``bench/otas_cost_dinov2-s14.json``: batch 1, 2, 4, 8 x its gammas, the grid the
-fidelity server serves), not by that server's own start-up profile, which no file holds.
+Decisions: the profile and the base calibrations come from one fidelity run, the file it writes
+(``bench/results/fidelity-calibration.json``: the servers' own start-up profile, which holds
+both models, DINOv2 at the OTAS grid the fidelity server serves, and every cell's calibration,
+a ratio to that profile); the base calibration per workload is the median of its policy's three
+cells (:func:`bench.fidelity.typical_calibration`), so no figure here is carried from an older
+run. The elasticity is the central difference over +-3%, and the tolerance (the error that
+moves a cell by 10%) scales the larger one-sided move at -3% or +3% (:func:`tolerance`).
 
-    python -m bench.fidelity_sensitivity [--traces 8] [--write]
+    python -m bench.fidelity_sensitivity [--calibration FILE] [--traces 8] [--write]
 """
 
 from __future__ import annotations
 
 MEASURES = (
-    "bench/fidelity_sensitivity.py", "bench/fidelity.py", "bench/results/sim_knee-cost_model.json",
-    "bench/otas_cost_dinov2-s14.json", "jaxserve/simulator.py", "jaxserve/traces.py", "jaxserve/launch.py",
+    "bench/fidelity_sensitivity.py", "bench/fidelity.py", "bench/results/fidelity-calibration.json",
+    "jaxserve/simulator.py", "jaxserve/traces.py", "jaxserve/launch.py",
     "jaxserve/sched/base.py", "jaxserve/sched/batching.py", "jaxserve/sched/arlo", "jaxserve/sched/otas.py",
     "jaxserve/kernels",
 )
@@ -46,10 +47,12 @@ from pathlib import Path
 
 import numpy as np
 
-BENCH = Path(__file__).parent
 SAME_AS_DEFAULT = "arlo"  # checked per text cell: at one instance it decides as default does (module docstring)
 LOADS = (0.3, 0.7, 0.9)
 SHIFTS = (-0.06, -0.03, 0.0, 0.03, 0.06)
+
+
+WORKLOADS = (("default", "minilm-l6", 60.0), ("otas", "dinov2-s14", 90.0))  # policy, model, seconds per trace
 
 
 @dataclass(frozen=True)
@@ -59,15 +62,26 @@ class Setup:
 
     policy: str
     model: str
-    cost: Path
+    cost: object  # the CostModel
     ratio: float
     sigma: float
     handoff_s: float
     duration: float
 
 
-SETUPS = (Setup("default", "minilm-l6", BENCH / "results" / "sim_knee-cost_model.json", 1.2, 0.3, 0.8e-3, 60.0),
-          Setup("otas", "dinov2-s14", BENCH / "otas_cost_dinov2-s14.json", 1.0, 0.16, 1.0e-3, 90.0))
+def setups(path: Path) -> tuple[Setup, ...]:
+    """:data:`WORKLOADS` priced and calibrated as the fidelity run in ``path`` measured them."""
+    from bench.fidelity import load_calibrations, typical_calibration
+
+    cost, cells = load_calibrations(path)
+    out = []
+    for policy, model, duration in WORKLOADS:
+        if model not in cost.latency:
+            raise ValueError(f"{path}: its cost model does not price {model} (the fidelity run served "
+                             f"{', '.join(sorted(cost.latency))})")
+        t = typical_calibration(cells, policy)
+        out.append(Setup(policy, model, cost, t["factor"], t["sigma"], t["handoff_s"], duration))
+    return tuple(out)
 
 
 class _ImageTraces:
@@ -88,9 +102,8 @@ def cell(setup: Setup, load: float, traces_n: int, seed: int) -> dict:
     """One (workload, load): the rate, per shift the pooled mean and p98 (ms) and drops, and for
     the text workload whether :data:`SAME_AS_DEFAULT` ran every trace identically at the base prices."""
     from bench import fidelity as F
-    from jaxserve.profiler import load_cost_model
 
-    cost = load_cost_model(setup.cost)
+    cost = setup.cost
     planned = F.planned_models(cost, setup.model, setup.policy)
     if setup.policy in F.IMAGE_POLICIES:
         unit = cost.latency[setup.model].latency_for(max(planned[setup.model].grid.batch_sizes), 0, 0)
@@ -135,9 +148,13 @@ def tolerance(c: dict) -> float:
 
 
 def main() -> None:
-    from bench.common import add_quick, apply_quick, table
+    from bench.common import add_quick, apply_quick, shown_path, table
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from bench.fidelity import CALIBRATION
+
+    ap.add_argument("--calibration", type=Path, default=CALIBRATION,
+                    help="a fidelity run's calibrations and cost model (bench.fidelity --write writes it)")
     ap.add_argument("--traces", type=int, default=8, help="traces per cell (pooled)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write", action="store_true", help="record the section in bench/RESULTS.md")
@@ -145,7 +162,11 @@ def main() -> None:
     args = apply_quick(ap.parse_args())
     t0 = time.perf_counter()
     cells = []
-    for setup in SETUPS:
+    try:
+        chosen = setups(args.calibration)
+    except ValueError as exc:
+        ap.error(str(exc))
+    for setup in chosen:
         for load in LOADS:
             c = cell(setup, load, args.traces, args.seed)
             cells.append(c)
@@ -155,7 +176,7 @@ def main() -> None:
     for c in cells:
         base, s = c["shifts"][0.0], c["setup"]
         rows.append([s.policy, s.model, f"{c['load']:.0%}", f"{c['rate']:.1f}",
-                     f"x{s.ratio:g}, {s.sigma:g}, {s.handoff_s * 1e3:g} ms",
+                     f"x{s.ratio:.2f}, {s.sigma:.2f}, {s.handoff_s * 1e3:.2f} ms",
                      f"{base['mean']:.1f} / {base['p98']:.1f}",
                      *(f"{(c['shifts'][x]['mean'] / base['mean'] - 1) * 100:+.1f}% / "
                        f"{(c['shifts'][x]['p98'] / base['p98'] - 1) * 100:+.1f}%" for x in SHIFTS if x),
@@ -169,8 +190,8 @@ def main() -> None:
     differ = [f"{c['load']:.0%}" for c in checked if not c["same"]]
     same_text = "identical in every text cell" if not differ else "different at " + ", ".join(differ)
     notes = (f"Each cell: fidelity's rate for the load (idle profile, `rate_at_load`), {args.traces} Poisson traces "
-             f"pooled ({', '.join(f'{s.model}: {s.duration:g} s each' for s in SETUPS)}), the profile "
-             f"({', '.join(f'`{s.cost.relative_to(BENCH.parent)}`' for s in SETUPS)}) x the base ratio x (1 + shift), "
+             f"pooled ({', '.join(f'{s.model}: {s.duration:g} s each' for s in chosen)}), the fidelity servers' start-up profile "
+             f"(`{shown_path(args.calibration)}`) x the base ratio (the median of the policy's fidelity cells) x (1 + shift), "
              f"its log-normal spread and hand-off per batch, the policy planning at the shifted prices; the same "
              f"traces and noise draws for every shift. Elasticity: percent change per percent of service time, "
              f"central over ±3% (M/M/1's mean: 1 / (1 - load), 10 at 90%); the error that moves a cell by 10%: 10 over "

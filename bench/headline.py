@@ -368,8 +368,13 @@ def _load_cpu(load, knee):
 
 
 def _load_cpu_goal(load, knee):
-    ceiling = knee.rx(r"at most ~([\d.]+)x the peer").group(1)
-    return f"≥ 3× — not reachable here (ceiling ~{ceiling}× by the calibrated simulator, see below)"
+    """The goal column: the calibrated simulator's ceiling (answered/s, section sim_knee) over
+    the naive peer's live knee (section load), and whether the two came from one run."""
+    ceiling = num(knee.rx(r"Ceiling: \*\*([\d,.]+) answered/s\*\*").group(1))
+    peer = _peer_knee(_knees(load))[0]
+    across = "" if _one_run(load, knee) else f"; {knee.s.date[:10]} against {load.s.date[:10]}"
+    return (f"≥ 3× — not reachable here (ceiling ~{ceiling / peer:.1f}× by the calibrated simulator: "
+            f"{ceiling:.0f} answered/s over the peer's {peer:.0f}/s{across}, see below)")
 
 
 def _load_bf16(b, f32):

@@ -556,3 +556,44 @@ def test_the_cpu_knee_row_gives_a_range_where_the_on_time_share_dips_below_the_k
     expected = f"{high}×" if low == high else f"{low}–{high}×"
     assert two_workers(with_rows(lambda i: 0.95 if i == dip else 1.0)) == expected
     assert two_workers(with_rows(lambda i: 0.95 if i == 0 else 1.0)) == f"{high}×"  # nothing passes before: no bound
+
+
+def test_the_cpu_knee_goal_divides_the_simulated_ceiling_by_the_peers_live_knee(tmp_path):
+    """The goal column's ceiling ratio is sim_knee's ceiling (answered/s) over the naive peer's knee in
+    the load section, worked here from both sections' text; and it says when they are two days' runs."""
+    text = RESULTS.read_text()
+    secs = {s.key: s for s in status.parse_sections(text)}
+    knee, load = secs["sim_knee"].text, secs["load"].text
+    peer = float(re.search(r"^naive FastAPI[^:]*: ([\d.]+)/s", load, re.M).group(1))
+    old = re.search(r"Ceiling: \*\*[\d,.]+ answered/s\*\*", knee).group(0)
+    ceiling = round(peer * 2.46)  # a ceiling worked to give a known ratio
+    date = re.search(r"^\*Date:\* (.*?)\s*$", load, re.M).group(1)
+    same_day = re.sub(r"^\*Date:\* .*$", f"*Date:* {date}  ", knee, count=1, flags=re.M)
+    edited = same_day.replace(old, f"Ceiling: **{ceiling} answered/s**")
+    row = _headline_row(tmp_path, text, {knee: edited}, "| the same on the 2-core CPU")
+    assert f"ceiling ~{ceiling / peer:.1f}× by the calibrated simulator: {ceiling} answered/s over the peer's " \
+           f"{peer:.0f}/s, see below" in row
+    other_day = edited.replace(f"*Date:* {date}", "*Date:* 2001-01-01 00:00 UTC", 1)
+    row = _headline_row(tmp_path, text, {knee: other_day}, "| the same on the 2-core CPU")
+    assert f"{peer:.0f}/s; 2001-01-01 against {date[:10]}, see below" in row
+
+
+def test_sim_knee_reads_the_two_worker_slowdown_from_the_workers_section(tmp_path):
+    """Two workers' p50 per batch over one worker's, at batch 8, from the section's own rows; a
+    RESULTS without the section is refused with the flag that overrides it."""
+    from bench.sim_knee import shared_slowdown
+
+    sec = ("<!-- bench:workers -->\n## Executor workers\n\n*Date:* 2030-01-02 03:04 UTC  \n\n"
+           "| batch | configuration | sentences/s | × 1 worker | p50 ms/batch | p98 ms/batch |\n|---|---|---|---|---|---|\n"
+           "| 1 | 1 worker, XLA threads = cores | 100 | 1.00 | 9.0 | 12.0 |\n"
+           "| 1 | 2 workers, XLA threads = cores | 110 | 1.10 | 16.0 | 25.0 |\n"
+           "| 8 | 1 worker, XLA threads = cores | 230 | 1.00 | 40.0 | 42.0 |\n"
+           "| 8 | 2 workers, XLA threads = cores | 227 | 0.98 | 70.0 | 115.0 |\n\n<!-- /bench:workers -->\n")
+    results = tmp_path / "RESULTS.md"
+    results.write_text(sec)
+    ratio, where = shared_slowdown(results)
+    assert ratio == pytest.approx(70.0 / 40.0)
+    assert "2030-01-02" in where and "70.0 ms" in where and "40.0 ms" in where
+    results.write_text(sec.replace("bench:workers", "bench:other"))
+    with pytest.raises(ValueError, match="--shared"):
+        shared_slowdown(results)

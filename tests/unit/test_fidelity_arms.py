@@ -5,6 +5,7 @@ both keep each batch size's mean ratio. Expectations are worked from the calibra
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from bench.fidelity import Calibration, correlated_service, empirical_service, live_prices
 from jaxserve.sched.base import Batch, Cell, CostModel, LatencyProfile
@@ -97,3 +98,37 @@ def test_as_sent_moves_each_request_to_when_it_left_the_client_with_its_own_fiel
     assert list(moved.task) == ["a", "c", "b", "d"] and list(moved.length) == [5, 7, 6, 8]
     np.testing.assert_allclose(moved.slo_s, [1.0, 3.0, 2.0, 4.0])
     np.testing.assert_allclose(moved.utility, [1.0, 1.0, 0.2, 0.2])
+
+
+def _cell(policy, load, factor, sigma, handoff_ms, sim_mean=12.0, live_mean=10.0):
+    return {"policy": policy, "model": MODEL, "load": load, "rate": 10.0 * load,
+            "calibration": {"factor": factor, "sigma": sigma, "handoff_ms": handoff_ms},
+            "sim": {"lognormal": {"mean": sim_mean, "p98": 30.0}}, "live": {"mean": live_mean, "p98": 40.0}}
+
+
+def test_a_fidelity_run_saves_its_calibrations_with_the_cost_model_they_are_ratios_to(tmp_path):
+    """What sim_knee and fidelity_sensitivity read back: the servers' cost model, each cell's ratio,
+    sigma, hand-off (in seconds) and log-normal error; the typical calibration is the median of a
+    policy's cells; a missing cell names the cells there are, and a file that is not one names itself."""
+    from bench.fidelity import calibration_of, load_calibrations, save_calibrations, typical_calibration
+
+    cost_path = tmp_path / "cost_model.json"
+    cost_path.write_text(COST.to_json())
+    cells = [_cell("default", 0.3, 1.0, 0.2, 0.5), _cell("default", 0.7, 1.3, 0.4, 0.9),
+             _cell("default", 0.9, 1.1, 0.3, 2.0), _cell("otas", 0.3, 0.8, 0.1, 1.0)]
+    path = save_calibrations(tmp_path / "cal.json", cost_path, cells)
+    cost, back = load_calibrations(path)
+    assert cost.latency[MODEL].seconds == COST.latency[MODEL].seconds
+    c = calibration_of(back, "default", 0.7)
+    assert (c["factor"], c["sigma"], c["handoff_s"]) == (1.3, 0.4, pytest.approx(0.9e-3))
+    assert c["lognormal_error_pct"] == [pytest.approx(20.0), pytest.approx(-25.0)]  # (12-10)/10, (30-40)/40
+    t = typical_calibration(back, "default")
+    assert (t["factor"], t["sigma"], t["handoff_s"]) == (1.1, 0.3, pytest.approx(0.9e-3))
+    with pytest.raises(ValueError, match="have: default at 30%, default at 70%, default at 90%, otas at 30%"):
+        calibration_of(back, "arlo", 0.7)
+    with pytest.raises(ValueError, match="no fidelity calibration for arlo"):
+        typical_calibration(back, "arlo")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="bad.json holds no fidelity calibration"):
+        load_calibrations(bad)
