@@ -2,7 +2,7 @@
 short real texts.
 
 The regression runs in the simulator on this machine's MiniLM-L6 profile of the serve grid
-(tests/fixtures/minilm-l6-serve-cost.json, a copy of bench/results/sim_knee-cost_model.json) and
+(tests/fixtures/minilm-l6-serve-cost.json, a copy of bench/results/sim_knee-cost_model.json of 11-23) and
 real tweet lengths.
 """
 
