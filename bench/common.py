@@ -146,14 +146,16 @@ def commit_stamp(measures: tuple[str, ...] | list[str] = ()) -> str:
     head = git("rev-parse", "HEAD")
     if not head:
         return "unknown"
-    dirty = git("status", "--porcelain", "--untracked-files=no", "--", *measures) if measures else \
+    # a measured file no commit holds yet (an output an earlier script of the same run wrote, say)
+    # counts; with no measures named, untracked scratch files do not
+    dirty = git("status", "--porcelain", "--untracked-files=all", "--", *measures) if measures else \
         git("status", "--porcelain", "--untracked-files=no")
     return head + (" +uncommitted" if dirty else "")
 
 
 def uncommitted_blobs(measures: tuple[str, ...] | list[str] = ()) -> dict[str, str]:
-    """``{path: git blob hash}`` of each of ``measures``' tracked files that differs from HEAD in
-    the working tree ("-" for one deleted): what a ``+uncommitted`` run measured. Mostly the
+    """``{path: git blob hash}`` of each of ``measures``' files that differs from HEAD in the working
+    tree ("-" for one deleted), untracked ones included: what a ``+uncommitted`` run measured. Mostly the
     inputs an earlier run of the same ``make bench`` wrote (a cost model, a profile) before they
     were committed; ``python -m bench.status`` calls the section fresh once a commit holds exactly
     these contents (:func:`stamp`'s ``*Uncommitted:*`` line). {} outside git or when
@@ -161,8 +163,10 @@ def uncommitted_blobs(measures: tuple[str, ...] | list[str] = ()) -> dict[str, s
     if os.environ.get("JAXSERVE_BENCH_COMMIT") or not git("rev-parse", "HEAD"):
         return {}
     names = git("diff", "--name-only", "HEAD", "--", *measures) if measures else git("diff", "--name-only", "HEAD")
+    if measures:  # and each measured file no commit holds yet (git ignores what .gitignore names)
+        names += "\n" + git("ls-files", "--others", "--exclude-standard", "--", *measures)
     out = {}
-    for name in names.splitlines():
+    for name in filter(None, names.splitlines()):
         path = ROOT / name
         out[name] = git("hash-object", "--", name) if path.exists() else "-"
     return out

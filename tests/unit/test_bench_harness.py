@@ -476,6 +476,25 @@ def test_a_stamp_lists_the_uncommitted_contents_it_measured():
     assert len(blob) == 40 and blob != common.git("rev-parse", "HEAD:compiled_cache/README.md")
 
 
+@needs_git
+def test_a_stamp_counts_a_measured_file_no_commit_holds_yet():
+    """An output an earlier script of the same run wrote and no commit holds yet (fidelity's
+    calibration file was new when sim_knee read it, and its stamps said nothing) makes the stamp
+    +uncommitted and is listed with its contents; an untracked file outside the measures is not."""
+    rel = "bench/results/_stamp_probe_untracked.json"
+    path = ROOT / rel
+    assert not path.exists()
+    try:
+        path.write_text('{"probe": 1}\n')
+        text = common.stamp(measures=(rel,))
+        assert "+uncommitted" in text
+        assert f"*Uncommitted:* {rel}@{common.git('hash-object', '--', rel)}" in text
+        assert rel not in common.uncommitted_blobs(("bench/status.py",))
+    finally:
+        path.unlink()
+    assert rel not in common.stamp(measures=(rel,))
+
+
 def _input_history():
     """A tracked file ``f`` with an earlier commit, its last change ``last``, the commit before it
     ``x``, and another file ``g`` changed after ``x`` by commits that never touch ``f``: the first
