@@ -8,7 +8,9 @@ log-normal spread and the hand-off per batch), on Poisson traces of real tweets 
 SLO, for 1 and 2 workers and several max-wait settings. Two workers share the 2 cores, so each
 of their batches is priced at the slow-down bench/workers.py measured for two workers that run
 batch 8 at once (its section's p50 per batch, two workers over one, read from bench/RESULTS.md
-at run time; ``--shared`` overrides it). The question is the policy's ceiling: how many
+at run time, which is why bench.all's ORDER runs bench/workers.py before this script; bench.status
+tracks files, not sections, so a workers rerun alone does not mark this one stale; ``--shared``
+overrides it). The question is the policy's ceiling: how many
 answered-on-time requests per second can this grid and machine give at all?
 
 Decisions: the calibration and its cost model come from one fidelity run and are used together
