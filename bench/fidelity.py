@@ -127,19 +127,18 @@ def simulated(policy: str, planned: dict, cost, trace, plan_cost=None, noise: fl
 def save_calibrations(path: Path, cost_path: Path, cells: list[dict]) -> Path:
     """Write ``cells``' calibrations (policy, model, load, rate, ratio, sigma, hand-off, and the
     log-normal arm's error) with the cost model they are ratios to, ``cost_path``'s bytes as the
-    servers left them (every model the run served: the servers share one cache directory)."""
+    servers left it (every model the run served: the servers share one cache directory)."""
     from jaxserve.profiler import load_cost_model
 
-    load_cost_model(cost_path)  # a cost model, or ValueError naming the file
-    text = Path(cost_path).read_text()
+    cost_json = load_cost_model(cost_path).to_json()  # ValueError naming the file if it is not one
     rows = [{"policy": c["policy"], "model": c["model"], "load": c["load"], "rate": c["rate"],
              "factor": c["calibration"]["factor"], "sigma": c["calibration"]["sigma"],
              "handoff_s": c["calibration"]["handoff_ms"] / 1e3,
              "lognormal_error_pct": [_err(c["sim"]["lognormal"][s], c["live"][s]) for s in ("mean", "p98")]}
             for c in cells]
-    path.parent.mkdir(parents=True, exist_ok=True)  # a cell a line, the cost model on the last
+    path.parent.mkdir(parents=True, exist_ok=True)  # a cell a line, then the cost model
     path.write_text('{"cells": [\n' + ",\n".join(json.dumps(r) for r in rows) + '],\n"cost_model": '
-                    + json.dumps(json.loads(text)) + "}\n")
+                    + cost_json + "}\n")
     return path
 
 

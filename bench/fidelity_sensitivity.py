@@ -47,11 +47,11 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxserve.sched.base import CostModel
+
 SAME_AS_DEFAULT = "arlo"  # checked per text cell: at one instance it decides as default does (module docstring)
 LOADS = (0.3, 0.7, 0.9)
 SHIFTS = (-0.06, -0.03, 0.0, 0.03, 0.06)
-
-
 WORKLOADS = (("default", "minilm-l6", 60.0), ("otas", "dinov2-s14", 90.0))  # policy, model, seconds per trace
 
 
@@ -62,7 +62,7 @@ class Setup:
 
     policy: str
     model: str
-    cost: object  # the CostModel
+    cost: CostModel
     ratio: float
     sigma: float
     handoff_s: float
@@ -149,10 +149,9 @@ def tolerance(c: dict) -> float:
 
 def main() -> None:
     from bench.common import add_quick, apply_quick, shown_path, table
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     from bench.fidelity import CALIBRATION
 
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calibration", type=Path, default=CALIBRATION,
                     help="a fidelity run's calibrations and cost model (bench.fidelity --write writes it)")
     ap.add_argument("--traces", type=int, default=8, help="traces per cell (pooled)")
