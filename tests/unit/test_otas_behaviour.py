@@ -7,8 +7,9 @@ the workload is the paper's six query types (Table II: task, SLO, utility). Util
 library's one implementation, :func:`jaxserve.simulator.utility_score`, with the profile's expected
 correctness (no labels here). Every run is seeded: the figures are deterministic, no wall clock.
 
-Measured (seeds below): on the overload trace OTAS earns 1047 of 1384, PetS 653 and OTAS restricted
-to gamma 0 902; OTAS's answered requests ran at gamma < 0 / > 0: light 0% / 100%, overload 88% / 12%.
+Measured (seeds below, on the profile bench/otas_profile.py wrote on 12-08): on the overload trace OTAS
+earns 1092 of 1384, PetS 517 and OTAS restricted to gamma 0 895; OTAS's answered requests ran at gamma
+< 0 / > 0: light 0% / 100%, overload 93% / 7% (on the 11-27 profile: 1047, 653, 902; 88% / 12%).
 """
 
 from __future__ import annotations
@@ -177,3 +178,23 @@ def test_on_ten_instances_otas_plans_for_all_of_them_and_on_one_as_the_paper_doe
     single = [run_with(share, overload_trace(), 1)[0] for share in (True, False)]
     for field in ("outcome", "batch", "cell_batch", "cell_gamma", "start", "finish"):
         assert np.array_equal(getattr(single[0], field), getattr(single[1], field), equal_nan=True), field
+
+
+def test_the_live_benchmark_tells_a_gamma_that_followed_the_queue_from_one_that_did_not():
+    """bench/otas_live.py's ``adaptation``, which its reading and the README headline quote: OTAS
+    adapted only when it used more than one gamma and ran lower gammas while the queue was above its
+    median. Hand-made records: a constant gamma (the demo run of 11-29 and 12-08: +8 throughout), a
+    gamma that falls as the queue grows, and one that rises with it."""
+    from bench.otas_live import adaptation
+
+    finish = np.arange(8, dtype=float)
+    queue = [(t + 0.1, d) for t, d in zip(finish, (0, 0, 0, 0, 9, 9, 9, 9))]  # depth sampled after each answer
+    follows = np.array([8, 8, 8, 8, -3, -3, -3, 8])
+    cases = {"constant": (np.full(8, 8), False), "follows": (follows, True), "against": (-follows, False)}
+    for name, (gamma, adapted) in cases.items():
+        out = adaptation({"gamma": gamma, "finish": finish}, queue)
+        assert out["adapted"] is adapted, (name, out)
+    out = adaptation({"gamma": follows, "finish": finish}, queue)
+    assert out["gammas_used"] == 2 and out["busy_gamma"] == (-3 * 3 + 8) / 4 and out["quiet_gamma"] == 8.0
+    evicted = np.array([-99] * 8)  # nothing ran: no evidence either way
+    assert adaptation({"gamma": evicted, "finish": finish}, queue)["adapted"] is False
