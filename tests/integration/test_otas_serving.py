@@ -10,6 +10,7 @@ after warmup. Needs the trained repository in jaxserve/assets/vit-demo-prompts.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 from pathlib import Path
 
 import httpx
@@ -28,21 +29,25 @@ pytestmark = pytest.mark.skipif(not (vit_demo_prompts_dir() / "accuracy.json").e
                                 reason="the demo prompt repository is not trained (jaxserve train-prompts)")
 
 
+def _otas_server(tmp_path_factory, seconds: dict, **settings) -> LiveServer:
+    """A live `--policy otas` server on vit-demo's GRID whose cost model prices each cell at
+    ``seconds[cell]``, so start-up skips timing; ``settings``: further ServeSettings fields."""
+    cache, cost = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("cost") / "cost.json"
+    save_cost_model(cost, CostModel(latency={"vit-demo": LatencyProfile("vit-demo", seconds)}))
+    return LiveServer(ServeSettings(models=("vit-demo",), cache_dir=str(cache), policy="otas", cost_model=str(cost),
+                                    max_queue=128, progress=False, image_grid=GRID, **settings))
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # A cost model that prices every cell (1 ms + 0.5 ms per image; prompts cost more, merging
-    # less), so start-up skips timing: the test is about serving, not about this machine's speed.
+    # less): the test is about serving, not about this machine's speed.
     import shutil
 
-    cache, cost = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("cost") / "cost.json"
     prompts = tmp_path_factory.mktemp("prompts") / "repo"  # a copy: the reload test rewrites its accuracy.json
     shutil.copytree(vit_demo_prompts_dir(), prompts)
-    latency = LatencyProfile("vit-demo", {c: (1 + 0.5 * c.batch) * (1 + 0.05 * c.gamma) / 1e3 for c in GRID.cells()})
-    save_cost_model(cost, CostModel(latency={"vit-demo": latency}))
-    settings = ServeSettings(models=("vit-demo",), cache_dir=str(cache), policy="otas", cost_model=str(cost),
-                             prompts_dir=str(prompts),
-                             max_queue=128, progress=False, image_grid=GRID)
-    with LiveServer(settings) as s:
+    seconds = {c: (1 + 0.5 * c.batch) * (1 + 0.05 * c.gamma) / 1e3 for c in GRID.cells()}
+    with _otas_server(tmp_path_factory, seconds, prompts_dir=str(prompts)) as s:
         yield s
 
 
@@ -228,12 +233,8 @@ LOAD_PRICES = {2: 0.200, 0: 0.100, -2: 0.004}
 
 @pytest.fixture(scope="module")
 def priced_server(tmp_path_factory):
-    cache, cost = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("cost") / "cost.json"
-    latency = LatencyProfile("vit-demo", {c: LOAD_PRICES[c.gamma] for c in GRID.cells()})
-    save_cost_model(cost, CostModel(latency={"vit-demo": latency}))
-    settings = ServeSettings(models=("vit-demo",), cache_dir=str(cache), policy="otas", cost_model=str(cost),
-                             correct_prices=False, instances=1, max_queue=128, progress=False, image_grid=GRID)
-    with LiveServer(settings) as s:
+    seconds = {c: LOAD_PRICES[c.gamma] for c in GRID.cells()}
+    with _otas_server(tmp_path_factory, seconds, correct_prices=False, instances=1) as s:
         yield s
 
 
@@ -243,8 +244,6 @@ def test_otas_gamma_follows_the_load_live(priced_server):
     accurate gamma the load sustains); in a burst of 64 images with a 150 ms SLO (+2 cannot meet it,
     and 64 a second is more than 0 sustains) every image that runs is merged or plain, never prompted.
     The gammas are what each answer reports; nothing compiles."""
-    import time
-
     images = _images(64, seed=5)
     quiet = []
     with httpx.Client(base_url=priced_server.url, timeout=60) as c:
